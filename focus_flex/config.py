@@ -1,0 +1,115 @@
+"""`FocusConfig`: every knob of Focus attention, round-tripping to JSON like a PEFT config."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+CONFIG_NAME = "focus_config.json"  # not adapter_config.json: transformers hands that file to PEFT
+WEIGHTS_NAME = "focus_adapter.safetensors"
+MAX_GROUPS = 63  # group memberships are packed into one int64 bitmask per token
+
+
+@dataclass
+class FocusConfig:
+    """Configuration of a Focus adapter.
+
+    Attention semantics (DESIGN.md §2): query i may attend key j iff j <= i and
+    ``(pos_i - pos_j < window) or (pos_j < sink_tokens) or groups(q_i) ∩ groups(k_j) ≠ ∅``,
+    where positions count non-padded tokens and groups are the top-k centroids by cosine score.
+    """
+
+    num_groups: int = 16
+    query_top_k: int = 1
+    key_top_k: int = 1
+    window: int = 256
+    sink_tokens: int = 4
+    tau: float = 0.1
+    block_size: int = 128
+    layers: list[int] | None = None  # None: every full-attention layer of the model
+    sinkhorn_iters: int = 3
+    # Shape of the model the centroids belong to (filled in by `FocusAdapter.for_model`).
+    num_layers: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    base_model: str | None = None
+    base_model_revision: str | None = None
+    model_type: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form metadata (training args, results)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"Invalid FocusConfig: {msg}")
+
+        need(isinstance(self.num_groups, int) and 1 <= self.num_groups <= MAX_GROUPS,
+             f"num_groups={self.num_groups!r} must be an int in [1, {MAX_GROUPS}]")
+        for name in ("query_top_k", "key_top_k"):
+            k = getattr(self, name)
+            need(isinstance(k, int) and 1 <= k <= self.num_groups,
+                 f"{name}={k!r} must be an int in [1, num_groups={self.num_groups}]")
+        need(isinstance(self.window, int) and self.window >= 1, f"window={self.window!r} must be an int >= 1")
+        need(isinstance(self.sink_tokens, int) and self.sink_tokens >= 0,
+             f"sink_tokens={self.sink_tokens!r} must be an int >= 0")
+        need(isinstance(self.tau, (int, float)) and self.tau > 0, f"tau={self.tau!r} must be > 0")
+        need(isinstance(self.block_size, int) and self.block_size >= 16 and self.block_size % 16 == 0,
+             f"block_size={self.block_size!r} must be a multiple of 16 (FlexAttention's tile size)")
+        need(isinstance(self.sinkhorn_iters, int) and self.sinkhorn_iters >= 0,
+             f"sinkhorn_iters={self.sinkhorn_iters!r} must be an int >= 0")
+        if self.layers is not None:
+            need(isinstance(self.layers, (list, tuple)) and all(isinstance(i, int) and i >= 0 for i in self.layers),
+                 f"layers={self.layers!r} must be None or a list of layer indices >= 0")
+            self.layers = sorted(set(self.layers))
+            if self.num_layers is not None:
+                need(all(i < self.num_layers for i in self.layers),
+                     f"layers={self.layers} has indices >= num_layers={self.num_layers}")
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            v = getattr(self, name)
+            need(v is None or (isinstance(v, int) and v >= 1), f"{name}={v!r} must be None or an int >= 1")
+
+    # ---- JSON round trip -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FocusConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known - {"focus_flex_version"})
+        if unknown:
+            raise ValueError(f"Unknown FocusConfig fields {unknown}: was this file written by a newer focus_flex? "
+                             f"Known fields: {sorted(known)}")
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def to_json_string(self) -> str:
+        from focus_flex import __version__
+
+        return json.dumps({**self.to_dict(), "focus_flex_version": __version__}, indent=2, sort_keys=True) + "\n"
+
+    def save_pretrained(self, directory: str | os.PathLike) -> str:
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, CONFIG_NAME)
+        with open(path, "w") as f:
+            f.write(self.to_json_string())
+        return path
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike) -> FocusConfig:
+        path = os.path.join(directory, CONFIG_NAME)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"No {CONFIG_NAME} in {directory!r}: not a Focus adapter folder "
+                                    f"(expected {CONFIG_NAME} and {WEIGHTS_NAME}).")
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON ({e}); the file is corrupt or partial, "
+                             f"re-download or re-save the adapter.") from e
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}.")
+        return cls.from_dict(data)

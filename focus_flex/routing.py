@@ -1,0 +1,89 @@
+"""Routing: which centroid groups a query or key vector belongs to.
+
+Centroids are per layer and per key/value head, ``[Hkv, G, D]``; the query heads of a GQA group
+share their KV head's centroids. Everything here is O(N * G * D): no pairwise work.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def expand_heads(centroids: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``[Hkv, G, D]`` -> ``[H, G, D]`` (GQA: query head h uses KV head ``h // (H // Hkv)``)."""
+    hkv = centroids.shape[0]
+    if num_heads % hkv:
+        raise ValueError(f"{num_heads} heads cannot share {hkv} KV-head centroid sets (not a multiple).")
+    return centroids.repeat_interleave(num_heads // hkv, dim=0)
+
+
+def scores(x: torch.Tensor, centroids: torch.Tensor, tau: float) -> torch.Tensor:
+    """Routing scores ``<x/|x|, C_g/|C_g|> / tau``.
+
+    x: ``[B, H, L, D]``; centroids: ``[Hkv, G, D]`` with H a multiple of Hkv. Returns ``[B, H, L, G]``
+    in float32 (routing decisions must not depend on the activation dtype's rounding).
+    """
+    c = F.normalize(expand_heads(centroids, x.shape[1]).float(), dim=-1)
+    return torch.einsum("bhld,hgd->bhlg", F.normalize(x.float(), dim=-1), c) / tau
+
+
+def top_groups(s: torch.Tensor, k: int) -> torch.Tensor:
+    """Hard groups: indices of the k highest scores, ``[..., G]`` -> ``[..., k]`` (int64)."""
+    return s.topk(k, dim=-1).indices
+
+
+def membership(groups: torch.Tensor) -> torch.Tensor:
+    """Groups ``[..., k]`` -> int64 bitmask ``[...]`` with bit g set iff g is among the groups (G <= 63)."""
+    return (torch.ones_like(groups) << groups).sum(-1)  # top-k indices are distinct, so sum == OR
+
+
+def hard_membership(x: torch.Tensor, centroids: torch.Tensor, tau: float, k: int) -> torch.Tensor:
+    """Bitmask of the top-k groups of every vector: ``[B, H, L, D]`` -> ``[B, H, L]`` int64."""
+    return membership(top_groups(scores(x, centroids, tau), k))
+
+
+def soft_membership(s: torch.Tensor, k: int) -> torch.Tensor:
+    """Differentiable top-k indicator, ``[..., G]`` -> ``[..., G]`` in (0, 1).
+
+    ``sigmoid(s_g - t)`` with the threshold t halfway between the k-th and (k+1)-th score
+    (detached). Scores carry 1/tau, so as routing sharpens (tau -> 0, or scores separate) this
+    tends to the exact top-k indicator of :func:`top_groups`. With k == G every group is kept.
+    """
+    if k >= s.shape[-1]:
+        return torch.ones_like(s)
+    top = s.detach().topk(k + 1, dim=-1).values
+    threshold = 0.5 * (top[..., k - 1] + top[..., k])
+    return torch.sigmoid(s - threshold.unsqueeze(-1))
+
+
+def probabilities(s: torch.Tensor) -> torch.Tensor:
+    """Routing probabilities over groups, ``softmax`` of the scores."""
+    return s.softmax(-1)
+
+
+def sinkhorn(s: torch.Tensor, iters: int = 3) -> torch.Tensor:
+    """Balanced assignment: rows sum to 1, every group receives the same total mass.
+
+    s: ``[..., N, G]`` scores. Alternating row/column normalisation in log space (Sinkhorn-Knopp),
+    as in SwAV; the result is a soft assignment in which no group swallows the sequence. Padded
+    tokens should be removed (or given -inf scores) by the caller.
+    """
+    log_p = s.float().log_softmax(-1)
+    n, g = s.shape[-2], s.shape[-1]
+    for _ in range(iters):
+        log_p = log_p - log_p.logsumexp(-2, keepdim=True) + torch.log(torch.tensor(n / g))  # columns: N/G each
+        log_p = log_p - log_p.logsumexp(-1, keepdim=True)  # rows: 1 each
+    return log_p.exp()
+
+
+def group_balance(member: torch.Tensor, num_groups: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Largest group size over mean group size (1.0 = perfectly balanced), per ``[B, H]``.
+
+    member: int64 bitmask ``[B, H, L]``; valid: optional bool ``[B, L]`` of real tokens.
+    """
+    bits = (member.unsqueeze(-1) >> torch.arange(num_groups, device=member.device)) & 1
+    if valid is not None:
+        bits = bits * valid[:, None, :, None]
+    sizes = bits.sum(-2).float()
+    return sizes.max(-1).values / sizes.mean(-1).clamp_min(1e-9)
