@@ -133,18 +133,31 @@ def soft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids:
 # ---- the fast path -------------------------------------------------------------------------------
 
 _compiled_flex = None
+RECOMPILE_LIMIT = 64  # distinct (batch, heads, length bucket, dtype) shapes kept compiled
 
 
 def compiled_flex():
-    """``torch.compile(flex_attention)`` with dynamic shapes, created on first use."""
+    """``torch.compile(flex_attention)``, created on first use.
+
+    Shapes are static: dynamic-shape CPU codegen of flex templates fails to compile on torch 2.13
+    for some shape sequences. Lengths are padded to buckets instead (:func:`bucket`), and padded
+    blocks are empty in the block masks, so they cost no attention work. Dynamo's recompile limit
+    is raised so that many buckets never silently fall back to eager (dense) flex.
+    """
     global _compiled_flex
     if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=True)
+        cfg = torch._dynamo.config
+        cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
+        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex
 
 
-def _round_up(n: int, m: int) -> int:
-    return (n + m - 1) // m * m
+def bucket(n: int, block_size: int) -> int:
+    """Padded length for n tokens: block_size * (2^a or 3 * 2^(a-1)) blocks, at most 1.5x n (+1 block)."""
+    blocks = max(1, -(-n // block_size))
+    p = 1 << (blocks - 1).bit_length()  # next power of two
+    return block_size * (3 * p // 4 if 3 * p // 4 >= blocks and p >= 4 else p)
 
 
 def _pad_to(x: torch.Tensor, length: int, dim: int, value: float = 0) -> torch.Tensor:
@@ -164,7 +177,8 @@ def _masked_min_max(x: torch.Tensor, ok: torch.Tensor, bs: int) -> tuple[torch.T
     return xb.masked_fill(~okb, big).amin(-1), xb.masked_fill(~okb, -big).amax(-1)
 
 
-def _keys_with_extra(k: torch.Tensor, v: torch.Tensor, length: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _keys_with_extra(k: torch.Tensor, v: torch.Tensor, length: int,
+                     block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pad keys to ``length`` and append one block whose first key is the LSE-carrying extra key.
 
     Values get two flag channels: D is 1 for every original key, D+1 is 1 for the extra key, so
@@ -241,7 +255,7 @@ def plan_attention(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, co
     q_valid, q_pos = valid[:, lk - lq:], pos[:, lk - lq:]
 
     # Local call: tokens in order.
-    lq_pad, lk_pad = _round_up(lq, bs), _round_up(lk, bs)
+    lq_pad, lk_pad = bucket(lq, bs), bucket(lk, bs)
     q_abs = torch.arange(lq_pad, device=dev) + (lk - lq)
     qp = _pad_to(q_pos, lq_pad, 1, -1)
     qv = _pad_to(q_valid, lq_pad, 1, False)
@@ -269,7 +283,7 @@ def plan_attention(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, co
         grp = torch.where(tok_valid[:, None, :, None], groups, g_count).reshape(bb, hh, n * kk)
         src = torch.arange(n, device=dev).repeat_interleave(kk).expand(bb, hh, -1)
         order = torch.argsort(grp * n + src, dim=-1)
-        n_pad = _round_up(n * kk, bs)
+        n_pad = bucket(n * kk, bs)
         grp = _pad_to(grp.gather(-1, order), n_pad, 2, g_count)
         src = _pad_to(src.gather(-1, order), n_pad, 2, 0)
         cpos = tok_pos[:, None, :].expand(bb, hh, -1).gather(-1, src)
@@ -356,7 +370,6 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
     valid = check_inputs(q, k, v, centroids, config, attention_mask)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     b, hq, lq, d = q.shape
-    lk = k.shape[2]
     if k_member is not None and k_member.shape != k.shape[:3]:
         raise ValueError(f"k_member {tuple(k_member.shape)} must be [B, Hkv, Lk] = {tuple(k.shape[:3])}")
     if lq <= DECODE_MAX_QUERIES:

@@ -1,0 +1,363 @@
+"""`FocusAdapter`: the trainable centroids of every Focus layer, and how they plug into transformers.
+
+    adapter = FocusAdapter.for_model(model, FocusConfig(num_groups=16, window=256))
+    adapter.attach(model)          # model now runs Focus attention
+    adapter.save_pretrained("my-adapter")
+    adapter.detach(model)          # back to the model's own attention, bit for bit
+
+Attaching registers one transformers attention implementation, ``"focus"`` (plus a mask builder
+of the same name, so padding masks arrive), and points every attention module at its centroids.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from focus_flex import routing
+from focus_flex.attention import focus_attention, reference_attention, soft_attention
+from focus_flex.config import CONFIG_NAME, WEIGHTS_NAME, FocusConfig
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt2")
+MODES = ("fast", "reference", "soft")
+IMPLEMENTATION = "focus"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the centroids must match: layers, KV heads and head dim, and which layers are full attention."""
+
+    model_type: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    full_attention_layers: tuple[int, ...]
+
+
+def model_shape(model: nn.Module) -> ModelShape:
+    """Read the attention geometry of a transformers causal LM; clear error if unsupported."""
+    cfg = getattr(model, "config", None)
+    mtype = getattr(cfg, "model_type", None)
+    if mtype == "gemma3":  # multimodal wrapper: Focus goes on its text model
+        cfg, mtype = cfg.text_config, cfg.text_config.model_type
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"Focus does not support model_type={mtype!r} ({type(model).__name__}). Supported "
+                         f"architectures: {', '.join(SUPPORTED_MODEL_TYPES)}.")
+    if mtype == "gpt2":
+        n_layers, n_heads = cfg.n_layer, cfg.n_head
+        return ModelShape(mtype, n_layers, n_heads, cfg.n_embd // n_heads, tuple(range(n_layers)))
+    n_layers = cfg.num_hidden_layers
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is None and getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        layer_types = ["sliding_attention"] * n_layers
+    full = tuple(i for i in range(n_layers) if layer_types is None or layer_types[i] == "full_attention")
+    return ModelShape(mtype, n_layers, cfg.num_key_value_heads, head_dim, full)
+
+
+class FocusAdapter(nn.Module):
+    """Centroids ``[n_focus_layers, Hkv, G, D]`` plus the :class:`FocusConfig` that describes them.
+
+    ``mode`` chooses the attention path while attached: ``"fast"`` (compiled FlexAttention,
+    inference), ``"soft"`` (differentiable soft routing, training), ``"reference"`` (the dense oracle).
+    """
+
+    def __init__(self, config: FocusConfig, centroids: torch.Tensor | None = None, *, seed: int = 0):
+        super().__init__()
+        missing = [n for n in ("num_layers", "num_kv_heads", "head_dim") if getattr(config, n) is None]
+        if missing or config.layers is None:
+            raise ValueError(f"FocusConfig lacks the model shape ({missing or ['layers']}); build adapters with "
+                             "FocusAdapter.for_model(model, config) or load them with FocusAdapter.from_pretrained.")
+        self.config = config
+        shape = (len(config.layers), config.num_kv_heads, config.num_groups, config.head_dim)
+        if centroids is None:
+            gen = torch.Generator().manual_seed(seed)
+            centroids = nn.functional.normalize(torch.randn(shape, generator=gen), dim=-1)
+        elif tuple(centroids.shape) != shape:
+            raise ValueError(f"centroids have shape {tuple(centroids.shape)}, but the config describes {shape} "
+                             f"= [layers {config.layers}, kv heads, groups, head dim]")
+        self.centroids = nn.Parameter(centroids.detach().float().clone())
+        self.slot = {layer: i for i, layer in enumerate(config.layers)}
+        self._mode = "fast"
+        self._attached: list[tuple[weakref.ref, str, list]] = []
+        self._active_cache: weakref.ref | None = None
+        self._key_cache: dict[int, tuple[weakref.ref, int, torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, value: str) -> None:
+        if value not in MODES:
+            raise ValueError(f"mode={value!r}; choose one of {MODES}")
+        self._mode = value
+
+    # ---- construction ------------------------------------------------------------------------
+    @classmethod
+    def for_model(cls, model: nn.Module, config: FocusConfig | None = None, *, seed: int = 0) -> FocusAdapter:
+        """Fresh (random unit) centroids sized to ``model``; Focus goes on its full-attention layers."""
+        shape = model_shape(model)
+        config = FocusConfig(**(config or FocusConfig()).to_dict())  # a copy
+        layers = list(shape.full_attention_layers) if config.layers is None else config.layers
+        sliding = sorted(set(layers) - set(shape.full_attention_layers))
+        if sliding:
+            raise ValueError(f"layers {sliding} use the model's own sliding-window attention; Focus goes on the "
+                             f"full-attention layers {list(shape.full_attention_layers)}.")
+        if not layers:
+            raise ValueError(f"{shape.model_type} model has no full-attention layer for Focus to replace.")
+        config.layers, config.num_layers = layers, shape.num_layers
+        config.num_kv_heads, config.head_dim, config.model_type = shape.num_kv_heads, shape.head_dim, shape.model_type
+        config.base_model = config.base_model or getattr(model, "name_or_path", None) or None
+        config.validate()
+        return cls(config, seed=seed).to(next(model.parameters()).device)
+
+    def check_compatible(self, model: nn.Module) -> ModelShape:
+        """Raise a clear error unless the centroids fit ``model`` layer for layer, head for head."""
+        shape = model_shape(model)
+        c = self.config
+        problems = []
+        if c.num_layers != shape.num_layers:
+            problems.append(f"{c.num_layers} layers vs the model's {shape.num_layers}")
+        if c.num_kv_heads != shape.num_kv_heads:
+            problems.append(f"{c.num_kv_heads} KV heads vs the model's {shape.num_kv_heads}")
+        if c.head_dim != shape.head_dim:
+            problems.append(f"head dim {c.head_dim} vs the model's {shape.head_dim}")
+        bad = sorted(set(c.layers) - set(shape.full_attention_layers))
+        if bad and not problems:
+            problems.append(f"layers {bad} are not full-attention layers of this model")
+        if problems:
+            raise ValueError(f"This Focus adapter (base model {c.base_model!r}) does not fit "
+                             f"{type(model).__name__} ({getattr(model, 'name_or_path', '') or 'unnamed'}): "
+                             f"{'; '.join(problems)}. Train an adapter for this model with FocusAdapter.for_model.")
+        return shape
+
+    # ---- attach / detach ---------------------------------------------------------------------
+    def attach(self, model: nn.Module) -> nn.Module:
+        """Make ``model`` run Focus attention (in place; returns it). The base weights are untouched."""
+        from focus_flex.hub import check_base_model
+
+        self.check_compatible(model)
+        check_base_model(self.config.base_model, getattr(model, "name_or_path", None))
+        if any(getattr(m, "_focus", None) is not None for m in model.modules()):
+            raise RuntimeError("A Focus adapter is already attached to this model; detach it first.")
+        register()
+        self.to(next(model.parameters()).device)
+        original = model.config._attn_implementation
+        hooks = []
+        for module in _attention_modules(model):
+            layer = module.layer_idx
+            module._focus = (weakref.ref(self), self.slot.get(layer))
+        for m in {model, getattr(model, "base_model", model)}:
+            hooks.append(m.register_forward_pre_hook(self._enter, with_kwargs=True))
+            hooks.append(m.register_forward_hook(self._exit))
+        model.set_attn_implementation(IMPLEMENTATION)
+        self._attached.append((weakref.ref(model), original, hooks))
+        return model
+
+    def detach(self, model: nn.Module) -> nn.Module:
+        """Restore the model's own attention implementation; outputs are bit-identical to before."""
+        for i, (ref, original, hooks) in enumerate(self._attached):
+            if ref() is model:
+                for h in hooks:
+                    h.remove()
+                for module in _attention_modules(model):
+                    module._focus = None
+                model.set_attn_implementation(original)
+                del self._attached[i]
+                self._key_cache.clear()
+                return model
+        raise ValueError("This adapter is not attached to that model.")
+
+    def _enter(self, module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        self._active_cache = weakref.ref(cache) if cache is not None else None
+
+    def _exit(self, module, args, output):
+        self._active_cache = None
+
+    # ---- the attention call ------------------------------------------------------------------
+    def key_membership(self, slot: int, key: torch.Tensor) -> torch.Tensor | None:
+        """Key routing bitmasks ``[B, Hkv, Lk]``, reusing those already computed for a KV cache."""
+        cache = self._active_cache() if self._active_cache is not None else None
+        if cache is None:
+            return None
+        cent, c = self.centroids[slot].detach(), self.config
+        entry = self._key_cache.get(slot)
+        lk = key.shape[2]
+        if entry is not None:
+            ref, n, member, last = entry
+            if ref() is cache and n <= lk and member.shape[0] == key.shape[0] and torch.equal(key[:, :, n - 1], last):
+                new = routing.hard_membership(key[:, :, n:], cent, c.tau, c.key_top_k)
+                member = torch.cat([member, new], dim=2)
+                self._key_cache[slot] = (ref, lk, member, key[:, :, lk - 1].clone())
+                return member
+        member = routing.hard_membership(key, cent, c.tau, c.key_top_k)
+        self._key_cache[slot] = (weakref.ref(cache), lk, member, key[:, :, lk - 1].clone())
+        return member
+
+    def forward(self, module: nn.Module, slot: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                padding: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
+        """Focus attention for one layer: ``[B, Hq, Lq, D]`` q and ``[B, Hkv, Lk, D]`` k/v -> ``[B, Hq, Lq, D]``."""
+        cent, c = self.centroids[slot], self.config
+        if self.mode == "soft":
+            return soft_attention(query, key, value, cent, c, attention_mask=padding, scale=scaling)
+        if self.mode == "reference":
+            return reference_attention(query, key, value, cent.detach(), c, attention_mask=padding, scale=scaling)
+        return focus_attention(query, key, value, cent.detach(), c, attention_mask=padding, scale=scaling,
+                               k_member=self.key_membership(slot, key))
+
+    # ---- files -------------------------------------------------------------------------------
+    def save_pretrained(self, directory: str | os.PathLike) -> str:
+        """Write ``focus_config.json`` and ``focus_adapter.safetensors`` into ``directory``."""
+        os.makedirs(directory, exist_ok=True)
+        self.config.save_pretrained(directory)
+        save_file({"centroids": self.centroids.detach().cpu().contiguous()}, os.path.join(directory, WEIGHTS_NAME),
+                  metadata={"format": "pt", "library": "focus_flex"})
+        return str(directory)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, *, revision: str | None = None,
+                        subfolder: str | None = None, token: str | bool | None = None,
+                        cache_dir: str | os.PathLike | None = None, local_files_only: bool = False) -> FocusAdapter:
+        """Load from a local folder or a Hub repo id (``revision`` is the adapter's, not the base model's)."""
+        from focus_flex.hub import resolve_adapter_dir
+
+        directory = resolve_adapter_dir(str(name_or_path), revision=revision, subfolder=subfolder, token=token,
+                                        cache_dir=cache_dir, local_files_only=local_files_only)
+        config = FocusConfig.from_pretrained(directory)
+        path = os.path.join(directory, WEIGHTS_NAME)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{directory!r} has {CONFIG_NAME} but no {WEIGHTS_NAME}: partial adapter; "
+                                    f"re-download or re-save it.")
+        try:
+            tensors = load_file(path)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"{path} is not a readable safetensors file ({e}): the file is corrupt or truncated; "
+                             f"re-download or re-save the adapter.") from e
+        if set(tensors) != {"centroids"}:
+            raise ValueError(f"{path} holds tensors {sorted(tensors)}; a Focus adapter holds exactly 'centroids'.")
+        return cls(config, tensors["centroids"])
+
+    def push_to_hub(self, repo_id: str, *, private: bool = False, token: str | None = None,
+                    commit_message: str | None = None, revision: str | None = None) -> str:
+        """Upload config, safetensors and a model card in one commit; returns the commit URL."""
+        import tempfile
+
+        from focus_flex.hub import model_card, push_folder_to_hub
+
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp)
+            extra = self.config.extra
+            card = model_card(self.config.to_dict(), repo_id=repo_id, results=extra.get("results"),
+                              results_markdown=extra.get("results_markdown"), command=extra.get("command"))
+            with open(os.path.join(tmp, "README.md"), "w") as f:
+                f.write(card)
+            return push_folder_to_hub(tmp, repo_id, private=private, token=token,
+                                      commit_message=commit_message or "Upload Focus adapter", revision=revision)
+
+    def load_model(self, model: nn.Module | None = None, *, dtype: torch.dtype = torch.float32,
+                   revision: str | None = None) -> nn.Module:
+        """The one-liner: load the base model named in the config (or take ``model``), attach, return it."""
+        if model is None:
+            from focus_flex.models import load_model
+
+            if not self.config.base_model:
+                raise ValueError("This adapter's config names no base_model; pass model=... explicitly.")
+            model, _ = load_model(self.config.base_model, dtype=dtype,
+                                  revision=revision or self.config.base_model_revision)
+        return self.attach(model)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return f"layers={len(c.layers)}, kv_heads={c.num_kv_heads}, groups={c.num_groups}, head_dim={c.head_dim}"
+
+
+# ---- transformers plumbing -----------------------------------------------------------------------
+
+
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)
+            and hasattr(m, "config") and m.__class__.__name__.endswith("Attention")]
+
+
+class FocusMask:
+    """What the ``"focus"`` mask builder hands to attention: the padding mask, and the model's own
+    dense mask computed only if a layer without Focus asks for it."""
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self._dense = None
+
+    @property
+    def padding(self) -> torch.Tensor | None:
+        from transformers.masking_utils import prepare_padding_mask
+
+        k = self.kwargs
+        return prepare_padding_mask(k.get("attention_mask"), k["kv_length"], k.get("kv_offset", 0))
+
+    @property
+    def is_causal(self) -> bool:
+        from transformers.masking_utils import causal_mask_function
+
+        return self.kwargs.get("mask_function", causal_mask_function) is causal_mask_function
+
+    def dense(self) -> torch.Tensor | None:
+        from transformers.masking_utils import sdpa_mask
+
+        if self._dense is None:
+            self._dense = sdpa_mask(**self.kwargs)
+        return self._dense
+
+
+def _mask_builder(**kwargs) -> FocusMask:
+    return FocusMask(**kwargs)
+
+
+def _attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The registered ``"focus"`` attention: transformers' calling convention (DESIGN.md §4)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    state = getattr(module, "_focus", None)
+    adapter = state[0]() if state is not None else None
+    if adapter is None or state[1] is None:  # a layer without Focus (e.g. Gemma-3 sliding): the model's own
+        dense = attention_mask.dense() if isinstance(attention_mask, FocusMask) else attention_mask
+        return sdpa_attention_forward(module, query, key, value, dense, dropout=dropout, scaling=scaling, **kwargs)
+    if dropout and module.training:
+        raise ValueError("Focus attention has no attention dropout; call model.eval() or set the model's attention "
+                         "dropout to 0 before training centroids.")
+    if kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
+        raise ValueError("Focus replaces full-attention layers only; this layer uses softcap or a sliding window.")
+    if isinstance(attention_mask, FocusMask):
+        if not attention_mask.is_causal:
+            raise ValueError("Focus attention supports causal attention with a padding mask only; packed sequences "
+                             "and custom mask functions are not supported.")
+        padding = attention_mask.padding
+    elif attention_mask is None:
+        padding = None
+    else:
+        raise ValueError(f"Focus attention got a {getattr(attention_mask, 'ndim', '?')}-D attention mask; pass a 2-D "
+                         f"[batch, length] padding mask (1 = token, 0 = pad). Custom 4-D masks are not supported.")
+    out = adapter(module, state[1], query, key, value, padding, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+_registered = False
+
+
+def register() -> None:
+    """Register the ``"focus"`` attention implementation and mask builder with transformers (idempotent)."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionInterface.register(IMPLEMENTATION, _attention_forward)
+        AttentionMaskInterface.register(IMPLEMENTATION, _mask_builder)
+        _registered = True
