@@ -153,9 +153,12 @@ def compiled_flex():
     return _compiled_flex
 
 
+MIN_BUCKET_BLOCKS = 4  # short inputs all share one compiled shape; their padding blocks are empty
+
+
 def bucket(n: int, block_size: int) -> int:
     """Padded length for n tokens: block_size * (2^a or 3 * 2^(a-1)) blocks, at most 1.5x n (+1 block)."""
-    blocks = max(1, -(-n // block_size))
+    blocks = max(MIN_BUCKET_BLOCKS, -(-n // block_size))
     p = 1 << (blocks - 1).bit_length()  # next power of two
     return block_size * (3 * p // 4 if 3 * p // 4 >= blocks and p >= 4 else p)
 
@@ -370,6 +373,7 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
     valid = check_inputs(q, k, v, centroids, config, attention_mask)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     b, hq, lq, d = q.shape
+    lk = k.shape[2]
     if k_member is not None and k_member.shape != k.shape[:3]:
         raise ValueError(f"k_member {tuple(k_member.shape)} must be [B, Hkv, Lk] = {tuple(k.shape[:3])}")
     if lq <= DECODE_MAX_QUERIES:
@@ -403,6 +407,7 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
                                                    w_far[..., None] * o_far)
     den = w_loc.scatter_add(2, plan.q_src, w_far)
     out = torch.where(den[..., None] > 0, num / den.clamp_min(1e-30)[..., None], 0.0)
+    out = out.masked_fill(~valid[:, None, lk - lq:, None], 0.0)  # padded queries (the local call lets them in)
     return out.to(q.dtype)
 
 

@@ -1,0 +1,212 @@
+"""FocusAdapter on real transformers models: attach/detach, generate with a KV cache, padding, files."""
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from focus_flex import CONFIG_NAME, WEIGHTS_NAME, FocusAdapter, FocusConfig
+
+# Short sequences share one padded shape (see attention.bucket), so the kernels compile once per batch size.
+CFG = FocusConfig(num_groups=4, query_top_k=2, window=8, sink_tokens=2, block_size=32)
+VOCAB = 96
+
+
+def tiny(arch: str, seed: int = 0):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif arch == "gemma3":
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**{**common, "num_hidden_layers": 4}, head_dim=16,
+                                                   sliding_window=8, layer_types=["sliding_attention",
+                                                   "full_attention", "sliding_attention", "full_attention"]))
+    elif arch == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256))
+    else:
+        raise ValueError(arch)
+    return model.eval()
+
+
+def ids(b=2, n=70, seed=1):
+    return torch.randint(0, VOCAB, (b, n), generator=torch.Generator().manual_seed(seed))
+
+
+def maxdiff(a, b):
+    return (a.float() - b.float()).abs().max().item()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral", "qwen2", "gemma3"])
+@torch.no_grad()
+def test_forward_equals_dense_reference_mask_and_detach_restores(arch):
+    model = tiny(arch)
+    x = ids()
+    before = model(x).logits
+    adapter = FocusAdapter.for_model(model, CFG)
+    adapter.attach(model)
+    fast = model(x).logits
+    adapter.mode = "reference"  # the same model with the dense reference mask (SDPA)
+    ref = model(x).logits
+    assert maxdiff(fast, ref) <= 1e-4
+    assert maxdiff(fast, before) > 1e-3  # Focus really changed the attention
+    adapter.detach(model)
+    assert torch.equal(model(x).logits, before)
+
+
+@torch.no_grad()
+def test_gemma3_focus_on_global_layers_only():
+    model = tiny("gemma3")
+    adapter = FocusAdapter.for_model(model, CFG)
+    assert adapter.config.layers == [1, 3] and adapter.centroids.shape == (2, 2, 4, 16)
+    with pytest.raises(ValueError, match="sliding-window"):
+        FocusAdapter.for_model(model, FocusConfig(layers=[0]))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@torch.no_grad()
+def test_generate_with_kv_cache_equals_recomputing_the_prefix(arch):
+    model = tiny(arch)
+    FocusAdapter.for_model(model, CFG).attach(model)
+    prompt = ids(2, 40)
+    out = model.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    seq = prompt
+    for _ in range(24):  # no cache: full prefix every step
+        seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, seq)
+    # and the cached logits themselves match the full forward
+    scores = model.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                            output_logits=True, return_dict_in_generate=True).logits
+    full = model(out).logits[:, 39:-1]
+    assert maxdiff(torch.stack(scores, 1), full) <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@torch.no_grad()
+def test_left_padded_batch_equals_unpadded_sequences(arch):
+    model = tiny(arch)
+    FocusAdapter.for_model(model, CFG).attach(model)
+    x = ids(2, 60)
+    mask = torch.ones_like(x)
+    mask[0, :11] = 0
+    x[0, :11] = 0
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    padded = model(x, attention_mask=mask, position_ids=pos).logits
+    alone = model(x[:1, 11:].expand(2, -1)).logits  # (batch 2: reuses the compiled shapes)
+    assert maxdiff(padded[0, 11:], alone[0]) <= 1e-4
+    gen = model.generate(x[:, :45], attention_mask=mask[:, :45], max_new_tokens=12, min_new_tokens=12,
+                         do_sample=False)
+    gen_alone = model.generate(x[:1, 11:45].expand(2, -1), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert torch.equal(gen[0, 45:], gen_alone[0, 34:])
+
+
+def test_training_path_moves_only_centroids():
+    model = tiny("llama")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    adapter = FocusAdapter.for_model(model, CFG)
+    adapter.attach(model)
+    adapter.mode = "soft"
+    opt = torch.optim.Adam(adapter.parameters(), lr=1e-2)
+    start = adapter.centroids.detach().clone()
+    x = ids(2, 48)
+    loss = model(x, labels=x).loss
+    loss.backward()
+    assert adapter.centroids.grad is not None and adapter.centroids.grad.abs().sum() > 0
+    assert all(p.grad is None for p in model.parameters())
+    opt.step()
+    assert not torch.equal(adapter.centroids.detach(), start)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert list(dict(adapter.named_parameters())) == ["centroids"]
+
+
+def test_save_load_round_trip_is_bit_exact(tmp_path):
+    model = tiny("llama")
+    adapter = FocusAdapter.for_model(model, CFG, seed=3)
+    adapter.save_pretrained(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == sorted([CONFIG_NAME, WEIGHTS_NAME])
+    loaded = FocusAdapter.from_pretrained(tmp_path)
+    assert loaded.config == adapter.config
+    assert torch.equal(loaded.centroids, adapter.centroids)
+    with torch.no_grad():
+        x = ids(2, 50)
+        a = adapter.attach(model)(x).logits
+        adapter.detach(model)
+        b = loaded.attach(model)(x).logits
+    assert torch.equal(a, b)
+
+
+def test_mismatched_adapter_is_refused(tmp_path):
+    FocusAdapter.for_model(tiny("llama"), CFG).save_pretrained(tmp_path)
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4))
+    with pytest.raises(ValueError, match=r"does not fit.*3 layers|layers vs the model's 3"):
+        FocusAdapter.from_pretrained(tmp_path).attach(other)
+    with pytest.raises(ValueError, match="KV heads"):
+        FocusAdapter.from_pretrained(tmp_path).attach(tiny("gpt2"))
+
+
+def test_corrupt_and_partial_files_are_refused(tmp_path):
+    FocusAdapter.for_model(tiny("llama"), CFG).save_pretrained(tmp_path)
+    weights = tmp_path / WEIGHTS_NAME
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])  # truncated download
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        FocusAdapter.from_pretrained(tmp_path)
+    weights.unlink()
+    with pytest.raises((FileNotFoundError, OSError), match=WEIGHTS_NAME):
+        FocusAdapter.from_pretrained(tmp_path)
+    (tmp_path / CONFIG_NAME).write_text('{"num_groups": 4,')
+    with pytest.raises((ValueError, OSError), match="JSON|corrupt"):
+        FocusAdapter.from_pretrained(tmp_path)
+    cfg = json.loads(FocusConfig(num_groups=4).to_json_string())
+    (tmp_path / CONFIG_NAME).write_text(json.dumps(cfg))
+    from safetensors.torch import save_file
+
+    save_file({"centroids": torch.zeros(1, 2, 4, 8)}, str(weights))
+    with pytest.raises(ValueError, match="model shape|for_model"):
+        FocusAdapter.from_pretrained(tmp_path)
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    model = OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, ffn_dim=64,
+                                     num_attention_heads=2, word_embed_proj_dim=32))
+    with pytest.raises(ValueError, match="llama.*gpt2"):
+        FocusAdapter.for_model(model, CFG)
+
+
+@torch.no_grad()
+def test_unsupported_options_raise_instead_of_being_ignored():
+    model = tiny("llama")
+    adapter = FocusAdapter.for_model(model, CFG)
+    adapter.attach(model)
+    with pytest.raises(ValueError, match="4-D"):
+        model(ids(1, 20), attention_mask=torch.ones(1, 1, 20, 20, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="already attached"):
+        FocusAdapter.for_model(model, CFG).attach(model)
+    with pytest.raises(ValueError, match="mode"):
+        adapter.mode = "turbo"
+    gpt2 = tiny("gpt2").train()
+    FocusAdapter.for_model(gpt2, CFG).attach(gpt2)
+    with pytest.raises(ValueError, match="dropout"):
+        gpt2(ids(1, 20))

@@ -1,0 +1,181 @@
+"""The fast path and the soft path against the one definition of Focus (`reference_attention`)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from focus_flex import FocusConfig, focus_attention, reference_attention, soft_attention
+from focus_flex.attention import bucket, causal_blocks, focus_pattern, plan_attention
+
+
+def make(b, hq, hkv, lq, lk, d=16, g=4, dtype=torch.float32, seed=0, pad=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, lq, d, generator=gen).to(dtype)
+    k = torch.randn(b, hkv, lk, d, generator=gen).to(dtype)
+    v = torch.randn(b, hkv, lk, d, generator=gen).to(dtype)
+    c = torch.randn(hkv, g, d, generator=gen)
+    mask = None
+    if pad:
+        mask = torch.ones(b, lk, dtype=torch.bool)
+        mask[0, :pad] = False  # left padding in the first row
+        if b > 1:
+            mask[-1, lk - 3:] = False  # right padding in the last row
+    return q, k, v, c, mask
+
+
+def max_diff(a, b):
+    return (a.float() - b.float()).abs().max().item()
+
+
+CASES = [
+    # (B, Hq, Hkv, Lq, Lk, top-k q, top-k k, window, sinks, pad)
+    (1, 2, 1, 100, 100, 1, 1, 32, 4, 0),  # GQA, L not a multiple of the block
+    (2, 4, 2, 77, 77, 1, 1, 16, 2, 13),  # batch with left and right padding
+    (2, 4, 2, 90, 90, 2, 1, 16, 0, 0),  # top-2 queries, no sinks
+    (1, 2, 2, 120, 120, 3, 2, 8, 3, 0),  # top-3 / top-2: pairs must not be counted twice
+    (2, 2, 1, 60, 60, 2, 2, 500, 1, 5),  # window larger than L
+    (2, 4, 2, 40, 100, 1, 1, 16, 2, 9),  # chunked prefill: 40 new queries on a 100-token cache
+    (2, 4, 2, 1, 90, 2, 1, 16, 3, 5),  # decode: one query on a KV cache
+    (1, 4, 1, 3, 70, 1, 2, 4, 0, 0),  # a few queries (gather path), MQA
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
+def test_fast_path_matches_reference_fp32(case):
+    b, hq, hkv, lq, lk, kq, kk, w, s, pad = case
+    cfg = FocusConfig(num_groups=4, query_top_k=kq, key_top_k=kk, window=w, sink_tokens=s, block_size=32)
+    q, k, v, c, mask = make(b, hq, hkv, lq, lk, pad=pad)
+    ref = reference_attention(q, k, v, c, cfg, attention_mask=mask)
+    out = focus_attention(q, k, v, c, cfg, attention_mask=mask)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert max_diff(out, ref) <= 1e-4
+    if pad:  # padded query rows are zeros
+        real_q = mask[:, lk - lq:][:, None, :, None].expand_as(out)
+        assert out[~real_q].abs().sum() == 0 and out[real_q].abs().sum() > 0
+
+
+def test_fast_path_matches_reference_bf16():
+    cfg = FocusConfig(num_groups=4, query_top_k=2, window=16, sink_tokens=2, block_size=32)
+    q, k, v, c, mask = make(2, 4, 2, 77, 77, dtype=torch.bfloat16, pad=13)
+    ref = reference_attention(q.float(), k.float(), v.float(), c, cfg, attention_mask=mask)
+    out = focus_attention(q, k, v, c, cfg, attention_mask=mask)
+    assert out.dtype == torch.bfloat16
+    assert max_diff(out, ref) <= 2e-2
+
+
+def test_groups_actually_matter():
+    """The reference is not trivially full attention: far pairs are dropped and groups bring some back."""
+    cfg = FocusConfig(num_groups=4, window=8, sink_tokens=1, block_size=32)
+    q, k, v, c, _ = make(1, 2, 1, 96, 96)
+    pat = focus_pattern(q, k, c, cfg)
+    causal = torch.ones(96, 96, dtype=torch.bool).tril()
+    near = causal & ~torch.ones(96, 96, dtype=torch.bool).tril(-8)
+    assert pat.sum() < causal.sum() and pat.sum() > (near | (torch.arange(96) < 1)).sum() * 2
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert max_diff(reference_attention(q, k, v, c, cfg), full) > 1e-2
+
+
+@pytest.mark.parametrize("path", ["reference", "fast"])
+def test_window_covering_sequence_is_full_causal_attention(path):
+    cfg = FocusConfig(num_groups=4, window=128, sink_tokens=0, block_size=32)
+    q, k, v, c, _ = make(2, 4, 2, 100, 100)
+    fn = reference_attention if path == "reference" else focus_attention
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert max_diff(fn(q, k, v, c, cfg), full) <= 1e-5
+
+
+@pytest.mark.parametrize("path", ["fast", "soft"])
+def test_causality(path):
+    """Changing tokens after position t never changes outputs at positions <= t."""
+    cfg = FocusConfig(num_groups=4, query_top_k=2, window=8, sink_tokens=2, block_size=32)
+    q, k, v, c, _ = make(1, 4, 2, 96, 96)
+    fn = focus_attention if path == "fast" else soft_attention
+    before = fn(q, k, v, c, cfg)
+    t = 50
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()
+    q2[:, :, t + 1:] = torch.randn_like(q2[:, :, t + 1:]) * 3
+    k2[:, :, t + 1:] = torch.randn_like(k2[:, :, t + 1:]) * 3
+    v2[:, :, t + 1:] = torch.randn_like(v2[:, :, t + 1:]) * 3
+    after = fn(q2, k2, v2, c, cfg)
+    assert torch.equal(before[:, :, : t + 1], after[:, :, : t + 1]) or max_diff(
+        before[:, :, : t + 1], after[:, :, : t + 1]) <= 1e-6
+    assert max_diff(before[:, :, t + 1:], after[:, :, t + 1:]) > 1e-2
+
+
+@pytest.mark.parametrize("k_top", [1, 2])
+def test_soft_path_approaches_hard_pattern(k_top):
+    """As routing sharpens (tau -> 0) the soft bias becomes the hard 0/-inf pattern."""
+    q, k, v, c, mask = make(2, 4, 2, 64, 64, pad=7)
+    errs = []
+    for tau in (1.0, 1e-2, 1e-6):  # (1e-6: no near-ties left at fp32 resolution)
+        cfg = FocusConfig(num_groups=4, query_top_k=k_top, key_top_k=k_top, window=8, sink_tokens=2, tau=tau)
+        real = mask[:, None, :, None]
+        soft = soft_attention(q, k, v, c, cfg, attention_mask=mask) * real
+        errs.append(max_diff(soft, reference_attention(q, k, v, c, cfg, attention_mask=mask)))
+    assert errs[-1] <= 1e-4 and errs[0] > errs[-1]
+
+
+def test_soft_path_gradients_reach_centroids_only():
+    cfg = FocusConfig(num_groups=4, window=8, sink_tokens=2)
+    q, k, v, c, _ = make(1, 4, 2, 64, 64)
+    c.requires_grad_(True)
+    soft_attention(q, k, v, c, cfg).square().sum().backward()
+    assert c.grad is not None and c.grad.abs().sum() > 0
+
+
+def test_no_recompiles_when_length_changes_within_a_bucket():
+    from torch._dynamo.utils import counters
+
+    cfg = FocusConfig(num_groups=4, window=16, sink_tokens=2, block_size=32)
+    assert bucket(97, 32) == bucket(128, 32)
+    q, k, v, c, _ = make(1, 4, 2, 128, 128, seed=3)
+    focus_attention(q, k, v, c, cfg)  # warm-up: compiles this bucket
+    graphs = counters["stats"]["unique_graphs"]
+    for n in (97, 101, 110, 128, 123):
+        qn, kn, vn = q[:, :, :n], k[:, :, :n], v[:, :, :n]
+        assert max_diff(focus_attention(qn, kn, vn, c, cfg), reference_attention(qn, kn, vn, c, cfg)) <= 1e-4
+    assert counters["stats"]["unique_graphs"] == graphs, "a new length recompiled the kernels"
+
+
+def test_block_masks_are_sparse_for_balanced_groups():
+    """Sorted by group, far blocks ~ 1/G of causal; built without any N x N tensor."""
+    n, g, d = 16384, 16, 64
+    gen = torch.Generator().manual_seed(0)
+    c = torch.nn.functional.normalize(torch.randn(1, g, d, generator=gen), dim=-1)
+    labels = torch.randint(0, g, (n,), generator=gen)
+    k = (c[0, labels] * 4 + torch.randn(n, d, generator=gen) * 0.5)[None, None]
+    cfg = FocusConfig(num_groups=g, window=256, sink_tokens=4)
+    plan = plan_attention(k, k, c, cfg, valid=torch.ones(1, n, dtype=torch.bool))
+    dens = plan.density(causal_blocks(n, 128))
+    assert dens["far"] < 2.5 / g and dens["local"] < 0.1, dens
+    assert plan.far_mask.kv_indices.numel() < n * n / 100
+
+
+def test_bad_inputs_have_clear_errors():
+    cfg = FocusConfig(num_groups=4)
+    q, k, v, c, _ = make(1, 4, 2, 20, 20)
+    with pytest.raises(ValueError, match="centroids"):
+        focus_attention(q, k, v, torch.randn(2, 5, 16), cfg)
+    with pytest.raises(ValueError, match="multiple"):
+        focus_attention(q[:, :3], k, v, c, cfg)
+    with pytest.raises(ValueError, match="last Lq"):
+        focus_attention(torch.randn(1, 4, 30, 16), k, v, c, cfg)
+    with pytest.raises(ValueError, match="padding mask"):
+        focus_attention(q, k, v, c, cfg, attention_mask=torch.ones(1, 1, 20, 20))
+    with pytest.raises(TypeError, match="dtype"):
+        focus_attention(q.double(), k, v, c, cfg)
+    with pytest.raises(TypeError, match="additive"):
+        focus_attention(q, k, v, c, cfg, attention_mask=torch.zeros(1, 20))
+
+
+def test_config_round_trip_and_validation(tmp_path):
+    cfg = FocusConfig(num_groups=8, query_top_k=2, window=64, layers=[3, 1], extra={"note": "x"})
+    assert cfg.layers == [1, 3]
+    cfg.save_pretrained(tmp_path)
+    assert FocusConfig.from_pretrained(tmp_path) == cfg
+    for bad in ({"num_groups": 0}, {"num_groups": 64}, {"query_top_k": 5, "num_groups": 4}, {"window": 0},
+                {"tau": 0}, {"block_size": 100}, {"sink_tokens": -1}, {"layers": [-1]}):
+        with pytest.raises(ValueError, match="Invalid FocusConfig"):
+            FocusConfig(**bad)
+    with pytest.raises(ValueError, match="Unknown FocusConfig fields"):
+        FocusConfig.from_dict({"num_groups": 4, "windw": 3})
