@@ -210,3 +210,26 @@ def test_unsupported_options_raise_instead_of_being_ignored():
     FocusAdapter.for_model(gpt2, CFG).attach(gpt2)
     with pytest.raises(ValueError, match="dropout"):
         gpt2(ids(1, 20))
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_real_smollm2_one_liner_and_fast_path_equals_reference(tmp_path):
+    """The embedded SmolLM2 (real weights, GQA 9/3): save -> from_pretrained -> load_model(); fast == reference."""
+    from focus_flex.data import load_documents
+    from focus_flex.models import DEFAULT_MODEL, load_model
+
+    base, tok = load_model()
+    cfg = FocusConfig(num_groups=16, window=64, sink_tokens=4)
+    FocusAdapter.for_model(base, cfg, seed=1).save_pretrained(tmp_path)
+    adapter = FocusAdapter.from_pretrained(tmp_path)
+    assert adapter.config.base_model == DEFAULT_MODEL
+    model = adapter.load_model()  # loads the base model named in the config and attaches
+    text = load_documents(split="eval")[0][:4000]
+    x = tok(text, return_tensors="pt").input_ids[:, :300]
+    fast = model(x).logits
+    adapter.mode = "reference"
+    ref = model(x).logits
+    assert maxdiff(fast, ref) <= 1e-3 * ref.abs().max().item()
+    adapter.detach(model)
+    assert maxdiff(model(x).logits, fast) > 1e-2  # window 64 + groups is not full attention
