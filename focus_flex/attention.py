@@ -9,7 +9,9 @@ the unpadded sequence. Rows of padded queries come out as zeros.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -18,9 +20,10 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from focus_flex import routing
 from focus_flex.config import FocusConfig
-from focus_flex.masks import EXTRA, PAD, REAL, block_mask_from_bools, far_mask_mod, local_mask_mod
+from focus_flex.masks import block_density, far_mask_mod, local_mask_mod, range_block_mask
 
 DECODE_MAX_QUERIES = 16  # up to this many queries, the fast path gathers keys instead of calling flex
+LSE_SAFE = 1e-30  # flag channels below this are not trusted: such rows take an exact fallback
 
 
 # ---- input checks and shared helpers -------------------------------------------------------------
@@ -168,195 +171,360 @@ def _pad_to(x: torch.Tensor, length: int, dim: int, value: float = 0) -> torch.T
     return F.pad(x, pad, value=value)
 
 
-def _block_view(x: torch.Tensor, bs: int) -> torch.Tensor:
-    """``[..., N]`` -> ``[..., N / bs, bs]`` (N a multiple of bs)."""
-    return x.unflatten(-1, (x.shape[-1] // bs, bs))
+def _ceil_div(x: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.div(x + (n - 1), n, rounding_mode="floor")
 
 
-def _masked_min_max(x: torch.Tensor, ok: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-block min and max of x over entries where ok, ``[..., N]`` -> ``[..., N / bs]`` each."""
-    big = torch.iinfo(torch.int64).max // 4
-    xb, okb = _block_view(x, bs), _block_view(ok, bs)
-    return xb.masked_fill(~okb, big).amin(-1), xb.masked_fill(~okb, -big).amax(-1)
+def _floor_div(x: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.div(x, n, rounding_mode="floor")
 
 
-def _keys_with_extra(k: torch.Tensor, v: torch.Tensor, length: int,
-                     block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad keys to ``length`` and append one block whose first key is the LSE-carrying extra key.
+def _rows(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``out[b, h, i] = x[b, h, src[b, h, i]]``, zero where ``src < 0``; x ``[B, H, L, D]``, src ``[B, H or 1, M]``."""
+    src = src.expand(x.shape[0], x.shape[1], -1)
+    out = x.gather(2, src.clamp_min(0)[..., None].expand(-1, -1, -1, x.shape[-1]))
+    return out.masked_fill_((src < 0)[..., None], 0)
 
-    Values get two flag channels: D is 1 for every original key, D+1 is 1 for the extra key, so
-    the output reports the softmax mass of the real keys and of the extra key (DESIGN.md §4 (a)).
+
+@dataclass
+class LocalLayout:
+    """Local call over compacted tokens (padding dropped, so positions are indices).
+
+    Keys: ``[sinks | extra key | padding]`` (whole blocks) then the tokens; queries are shifted by less than a
+    block so that query blocks line up with key blocks.
     """
-    b, h, n, d = k.shape
-    total = length + block_size
-    kk = k.new_zeros(b, h, total, d)
-    kk[:, :, :n] = k
-    vv = v.new_zeros(b, h, total, d + 2)
-    vv[:, :, :n, :d] = v
-    vv[:, :, :n, d] = 1
-    vv[:, :, length, d + 1] = 1
-    return kk, vv
+
+    mask: BlockMask
+    q_rows: torch.Tensor  # [B, Lq_pad] query behind each layout row (-1: none)
+    q_slot: torch.Tensor  # [B, Lq] layout row of each query (-1: padded query)
+    k_src: torch.Tensor  # [B, Lk_tot] key behind each key slot (-1: none)
+    q_base: torch.Tensor  # [B] position of layout row 0
+    sink_slots: int  # slots before the first token
+    extra: int  # slot of the extra (LSE-carrying) key
+    shift: int | None  # no padding: queries sit at rows [shift, shift + Lq) and tokens are not permuted
 
 
-def _flex_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, stabilizer: torch.Tensor,
-                   kind: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One compiled flex call returning (normalised output ``[B, H, L, D]`` fp32, lse ``[B, H, L]``).
+@dataclass
+class FarLayout:
+    """Far call over copies sorted by (group, position).
 
-    The extra key scores ``stabilizer`` (per query, ideally near the row's log-sum-exp), so the
-    two flag channels r_real, r_extra give ``lse = C + log r_real - log r_extra`` exactly; a row with
-    no real key gets lse = -inf and output 0.
+    Key copies are per KV head and every group's segment starts with its own extra key; query copy i attends the
+    key slots ``[lo_i, hi_i)`` (its group, beyond the window, past the sinks) and its group's extra key.
     """
-    d = q.shape[-1]
-    per_head = kind.dim() == 3  # [B, Hq, N] (far call) or [B, N] (local call)
 
-    def score_mod(score, b, h, q_idx, kv_idx):
-        kd = kind[b, h, kv_idx] if per_head else kind[b, kv_idx]
-        return torch.where(kd == EXTRA, stabilizer[b, h, q_idx], score)
+    mask: BlockMask
+    q_src: torch.Tensor  # [B, Hq, Nq_pad] query of every sorted query copy (padding: 0)
+    q_real: torch.Tensor  # [B, Hq, Nq_pad] the copy is a real query's (not padding)
+    lo: torch.Tensor  # [B, Hq, Nq_pad] first key slot of the copy's far range
+    hi: torch.Tensor  # [B, Hq, Nq_pad] end of that range (hi == lo: no far key)
+    k_src: torch.Tensor  # [B, Hkv, Nk_pad] key of every key slot (-1: extra key or padding)
+    extra: torch.Tensor  # [B, Hkv, Nk_pad] bool: the extra-key slots
 
-    out = compiled_flex()(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale,
-                          enable_gqa=q.shape[1] != k.shape[1])
-    real, extra = out[..., d].float(), out[..., d + 1].float().clamp_min(torch.finfo(torch.float32).tiny)
-    lse = stabilizer + real.log() - extra.log()
-    o = torch.where(real[..., None] > 0, out[..., :d].float() / real[..., None], 0.0)
-    return o, lse
+    @property
+    def has_keys(self) -> torch.Tensor:
+        return self.hi > self.lo
 
 
 @dataclass
 class FocusPlan:
-    """Everything the two flex calls need, built from routing in O(N log N + (N / block)^2)."""
+    """Both flex calls' layouts and block masks, built in O(N log N + (N / block)^2) integer work."""
 
-    local_mask: BlockMask
-    far_mask: BlockMask
-    local_kind: torch.Tensor  # [B, Lk_tot]
-    far_kind: torch.Tensor  # [B, Hq, Nk_tot] (per query head: mods never divide head indices)
-    q_src: torch.Tensor  # [B, Hq, Nq_pad] query index of every sorted query copy
-    k_src: torch.Tensor  # [B, Hkv, Nk_pad] key index of every sorted key copy
-    q_len_pad: int
-    k_len_pad: int
+    local: LocalLayout
+    far: FarLayout
+
+    @property
+    def local_mask(self) -> BlockMask:
+        return self.local.mask
+
+    @property
+    def far_mask(self) -> BlockMask:
+        return self.far.mask
 
     def density(self, causal_blocks: float) -> dict[str, float]:
         """Computed blocks per (batch, head) relative to ``causal_blocks``, for each call and in total."""
-        from focus_flex.masks import block_density
-
-        local, far = block_density(self.local_mask, causal_blocks), block_density(self.far_mask, causal_blocks)
+        local, far = block_density(self.local.mask, causal_blocks), block_density(self.far.mask, causal_blocks)
         return {"local": local, "far": far, "total": local + far}
+
+
+def _plan_local(valid: torch.Tensor, lq: int, config: FocusConfig) -> LocalLayout:
+    bs, w, s = config.block_size, config.window, config.sink_tokens
+    b, lk = valid.shape
+    dev = valid.device
+    sink_slots = bs * -(-(s + 1) // bs)
+    n = valid.sum(-1)
+    m = valid[:, lk - lq:].sum(-1)
+    shift = (n - m) % bs
+    q_base = n - m - shift  # position of layout row 0: a whole number of blocks
+    lq_pad = bucket(int((shift + m).max()), bs)
+    kv_len = sink_slots + bucket(lk, bs)
+    dense = bool(valid.all())
+    # Which query / key sits in each layout slot.
+    q_order = torch.argsort((~valid[:, lk - lq:]).to(torch.int8), dim=-1, stable=True)  # real queries first
+    k_order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)
+    j = torch.arange(lq_pad, device=dev) - shift[:, None]
+    q_rows = torch.where((j >= 0) & (j < m[:, None]), q_order.gather(1, j.clamp(0, lq - 1)), -1)
+    rank = torch.arange(lq, device=dev).expand(b, -1)
+    q_slot = torch.full((b, lq), -1, dtype=torch.long, device=dev).scatter_(
+        1, q_order, torch.where(rank < m[:, None], rank + shift[:, None], -1))
+    slot = torch.arange(kv_len, device=dev)
+    t = torch.where(slot < sink_slots, slot, slot - sink_slots)  # token index (sink slot j holds token j)
+    used = torch.where(slot < sink_slots, slot < s, t >= s) & (t < n[:, None])
+    k_src = torch.where(used, k_order.gather(1, t.clamp_max(lk - 1).expand(b, -1)), -1)
+    # Block ranges of each query block, whose real rows hold positions [pmin, pmax].
+    rows = torch.arange(lq_pad // bs, device=dev) * bs
+    lo_row, hi_row = torch.maximum(rows, shift[:, None]), torch.minimum(rows + bs, (shift + m)[:, None]) - 1
+    pmin, pmax = q_base[:, None] + lo_row, q_base[:, None] + hi_row
+    tlo = (pmin - w + 1).clamp_min(s)
+    start = _floor_div(sink_slots + tlo, bs)
+    end = torch.where(tlo <= pmax, _floor_div(sink_slots + pmax, bs) + 1, start)
+    full_start = _ceil_div(sink_slots + (pmax - w + 1).clamp_min(s), bs)
+    full_end = _floor_div(sink_slots + pmin + 1, bs)
+    mask = range_block_mask((lo_row <= hi_row)[:, None], sink_slots // bs, start[:, None], end[:, None],
+                            full_start[:, None], full_end[:, None], local_mask_mod(q_base, w, s, sink_slots),
+                            lq_pad, kv_len, bs)
+    return LocalLayout(mask, q_rows, q_slot, k_src, q_base, sink_slots, s, int(shift[0]) if dense else None)
+
+
+def _plan_far(q_groups: torch.Tensor, k_groups: torch.Tensor, valid: torch.Tensor, config: FocusConfig) -> FarLayout:
+    bs, w, s, g_count = config.block_size, config.window, config.sink_tokens, config.num_groups
+    b, hq, lq, kq = q_groups.shape
+    hkv, lk, kk = k_groups.shape[1], k_groups.shape[2], k_groups.shape[3]
+    rep, dev = hq // hkv, valid.device
+    stride = lk + 1  # sort key of a copy: group * stride + position + 1; a group's extra key: group * stride
+    big = (g_count + 1) * stride  # padded tokens sort last
+    pos = token_positions(valid)
+    q_valid, q_pos = valid[:, lk - lq:], pos[:, lk - lq:]
+    kcomp = torch.where(valid[:, None, :, None], k_groups * stride + pos[:, None, :, None] + 1, big).flatten(2)
+    extras = (torch.arange(g_count, device=dev) * stride).expand(b, hkv, -1)
+    ksorted, korder = torch.cat([kcomp, extras], -1).sort(-1)
+    is_extra = korder >= lk * kk
+    nk_pad = bucket(lk * kk, bs) + bs * -(-g_count // bs)  # the extra keys never change the bucket
+    k_src = _pad_to(torch.where(is_extra | (ksorted >= big), -1, _floor_div(korder, kk)), nk_pad, 2, -1)
+    extra = _pad_to(is_extra, nk_pad, 2, False)
+
+    qcomp = torch.where(q_valid[:, None, :, None], q_groups * stride + q_pos[:, None, :, None] + 1, big).flatten(2)
+    qsorted, qorder = qcomp.sort(-1)
+    q_real = qsorted < big
+    base = _floor_div(qsorted, stride) * stride
+    q_pos_sorted = qsorted - base - 1
+
+    def find(values: torch.Tensor, right: bool = False) -> torch.Tensor:
+        flat = values.reshape(b, hkv, rep * values.shape[-1])  # the query heads of a KV head share its keys
+        return torch.searchsorted(ksorted, flat, right=right).view_as(values)
+
+    ex = torch.where(q_real, find(base), -1)
+    lo = torch.where(q_real, find(base + 1 + s), 0)
+    hi = torch.maximum(torch.where(q_real, find(base + 1 + q_pos_sorted - w, right=True), 0), lo)
+    nq_pad = bucket(lq * kq, bs)
+    q_src = _pad_to(_floor_div(qorder, kq), nq_pad, 2, 0)
+    ex, lo, hi = _pad_to(ex, nq_pad, 2, -1), _pad_to(lo, nq_pad, 2, 0), _pad_to(hi, nq_pad, 2, 0)
+    q_real = _pad_to(q_real, nq_pad, 2, False)
+    # Per query block: compute the hull of the rows' [ex, hi); blocks inside every row's [lo, hi) are full.
+    blk = lambda x: x.unflatten(-1, (nq_pad // bs, bs))  # noqa: E731
+    start = _floor_div(blk(torch.where(q_real, ex, nk_pad)).amin(-1), bs)
+    end = _ceil_div(blk(torch.where(q_real, torch.maximum(hi, ex + 1), 0)).amax(-1), bs)
+    q_grp = q_mem = k_mem = None
+    if kq > 1 and kk > 1:  # a pair sharing several groups counts only in the lowest one: no full blocks
+        full_start = full_end = end
+        q_grp = _pad_to(_floor_div(base, stride), nq_pad, 2, 0)
+        q_mem = routing.membership(q_groups).gather(-1, q_src)
+        k_mem = routing.membership(k_groups).gather(-1, k_src.clamp_min(0)).masked_fill(k_src < 0, 0)
+        k_mem = k_mem.repeat_interleave(rep, 1)  # per query head: mods never divide head indices
+    else:
+        full_start = _ceil_div(blk(torch.where(q_real, lo, 0)).amax(-1), bs)
+        full_end = _floor_div(blk(torch.where(q_real, hi, nk_pad)).amin(-1), bs)
+    mask = range_block_mask(blk(q_real).any(-1), 0, start, end, full_start, full_end,
+                            far_mask_mod(lo, hi, ex, q_grp, q_mem, k_mem), nq_pad, nk_pad, bs)
+    return FarLayout(mask, q_src, q_real, lo, hi, k_src, extra)
 
 
 def plan_attention(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, config: FocusConfig, *,
                    valid: torch.Tensor, q_groups: torch.Tensor | None = None,
                    k_groups: torch.Tensor | None = None) -> FocusPlan:
-    """Route tokens, sort copies by group and build both block masks (no O(N^2) work)."""
-    bs, w, s, g_count = config.block_size, config.window, config.sink_tokens, config.num_groups
-    b, hq, lq, _ = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
-    dev = q.device
+    """Route tokens and build both calls' layouts and block masks (no O(N^2) work)."""
     if q_groups is None:
         q_groups = routing.top_groups(routing.scores(q, centroids, config.tau), config.query_top_k)
     if k_groups is None:
         k_groups = routing.top_groups(routing.scores(k, centroids, config.tau), config.key_top_k)
-    pos = token_positions(valid)
-    q_valid, q_pos = valid[:, lk - lq:], pos[:, lk - lq:]
-
-    # Local call: tokens in order.
-    lq_pad, lk_pad = bucket(lq, bs), bucket(lk, bs)
-    q_abs = torch.arange(lq_pad, device=dev) + (lk - lq)
-    qp = _pad_to(q_pos, lq_pad, 1, -1)
-    qv = _pad_to(q_valid, lq_pad, 1, False)
-    kp = _pad_to(pos, lk_pad + bs, 1, -1)
-    kind = _pad_to(valid.to(torch.int8) * REAL, lk_pad + bs, 1, PAD)
-    kind[:, lk_pad] = EXTRA
-    kr = kind == REAL
-    kidx = torch.arange(lk_pad + bs, device=dev).expand(b, -1)
-    q_pmin, q_pmax = _masked_min_max(qp, qv, bs)
-    q_amin, q_amax = _masked_min_max(q_abs.expand(b, -1), qv, bs)
-    k_pmin, k_pmax = _masked_min_max(kp, kr, bs)
-    k_imin, k_imax = _masked_min_max(kidx, kr, bs)
-    k_any, k_all = _block_view(kr, bs).any(-1), _block_view(kr, bs).all(-1)
-    qa, ka = (lambda t: t[:, :, None]), (lambda t: t[:, None, :])
-    near_blk = (ka(k_pmax) > qa(q_pmin) - w) | (ka(k_pmin) < s)
-    blocks = ka(k_any) & qa(_block_view(qv, bs).any(-1)) & (ka(k_imin) <= qa(q_amax)) & near_blk
-    full = ka(k_all) & (ka(k_imax) <= qa(q_amin)) & ((ka(k_pmin) > qa(q_pmax) - w) | (ka(k_pmax) < s)) & blocks
-    blocks[:, :, -1] = _block_view(qv, bs).any(-1)  # the extra key's block
-    local_mask = block_mask_from_bools(blocks[:, None], full[:, None],
-                                       local_mask_mod(q_abs, qp, kp, kind, w, s), lq_pad, lk_pad + bs, bs)
-
-    # Far call: copies sorted by (group, position); padded tokens get the sentinel group G.
-    def sorted_copies(groups: torch.Tensor, tok_valid: torch.Tensor, tok_pos: torch.Tensor):
-        bb, hh, n, kk = groups.shape
-        grp = torch.where(tok_valid[:, None, :, None], groups, g_count).reshape(bb, hh, n * kk)
-        src = torch.arange(n, device=dev).repeat_interleave(kk).expand(bb, hh, -1)
-        order = torch.argsort(grp * n + src, dim=-1)
-        n_pad = bucket(n * kk, bs)
-        grp = _pad_to(grp.gather(-1, order), n_pad, 2, g_count)
-        src = _pad_to(src.gather(-1, order), n_pad, 2, 0)
-        cpos = tok_pos[:, None, :].expand(bb, hh, -1).gather(-1, src)
-        return grp, src, cpos, grp < g_count, n_pad
-
-    qg, q_src, qcp, qok, nq_pad = sorted_copies(q_groups, q_valid, q_pos)
-    kg, k_src, kcp, kok, nk_pad = sorted_copies(k_groups, valid, pos)
-    # Key metadata is repeated per query head (a few bytes per copy; the keys themselves are not).
-    rep = hq // hkv
-    far_kind = torch.where(kok, REAL, PAD).to(torch.int8)
-    far_kind = _pad_to(far_kind, nk_pad + bs, 2, PAD).repeat_interleave(rep, 1)
-    far_kind[:, :, nk_pad] = EXTRA
-    kg_t = _pad_to(kg, nk_pad + bs, 2, g_count).repeat_interleave(rep, 1)
-    kcp_t = _pad_to(kcp, nk_pad + bs, 2, -1).repeat_interleave(rep, 1)
-    kok_t = far_kind == REAL
-    dedup = config.query_top_k > 1 and config.key_top_k > 1
-    q_mem = k_mem = None
-    if dedup:
-        q_mem = routing.membership(q_groups).gather(-1, q_src)
-        k_mem = _pad_to(routing.membership(k_groups).gather(-1, k_src), nk_pad + bs, 2, 0).repeat_interleave(rep, 1)
-    far_mod = far_mask_mod(qg, qcp, kg_t, kcp_t, far_kind, w, s, q_mem, k_mem)
-
-    qg_min, qg_max = _masked_min_max(qg, qok, bs)
-    qp_min, qp_max = _masked_min_max(qcp, qok, bs)
-    kg_min, kg_max = _masked_min_max(kg_t, kok_t, bs)
-    kp_min, kp_max = _masked_min_max(kcp_t, kok_t, bs)
-    kb_all = _block_view(kok_t, bs).all(-1)
-    qa, ka = (lambda t: t[..., :, None]), (lambda t: t[..., None, :])
-    q_any = _block_view(qok, bs).any(-1)
-    blocks = ((ka(kg_min) <= qa(qg_max)) & (ka(kg_max) >= qa(qg_min)) & (ka(kp_min) <= qa(qp_max) - w)
-              & (ka(kp_max) >= s) & qa(q_any))
-    full = (blocks & (not dedup) & qa(qg_min == qg_max) & (ka(kg_min) == qa(qg_min))
-            & (ka(kg_max) == qa(qg_min)) & ka(kb_all) & (ka(kp_max) <= qa(qp_min) - w) & (ka(kp_min) >= s))
-    blocks[..., -1] = q_any
-    full[..., -1] = False
-    far_mask = block_mask_from_bools(blocks, full, far_mod, nq_pad, nk_pad + bs, bs)
-    return FocusPlan(local_mask, far_mask, kind, far_kind, q_src, k_src, lq_pad, lk_pad)
+    return FocusPlan(_plan_local(valid, q.shape[2], config), _plan_far(q_groups, k_groups, valid, config))
 
 
-def _self_scores(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, num_sinks: int, scale: float) -> torch.Tensor:
-    """Stabiliser for the local call: max of each query's score with itself and with the sink tokens."""
-    b, hq, lq, _ = q.shape
-    lk, rep = k.shape[2], hq // k.shape[1]
-    kq = k[:, :, lk - lq:].repeat_interleave(rep, 1)
-    c = (q.float() * kq.float()).sum(-1) * scale
-    if num_sinks:
-        pos = token_positions(valid)
-        sink_idx = torch.searchsorted(pos, torch.arange(num_sinks, device=q.device).expand(b, -1).contiguous())
-        sink_idx = sink_idx.clamp_max(lk - 1)
-        ks = k.gather(2, sink_idx[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])).repeat_interleave(rep, 1)
-        sc = torch.einsum("bhqd,bhsd->bhqs", q.float(), ks.float()) * scale
-        c = torch.maximum(c, sc.amax(-1))
-    return c
+def _few_queries_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
+                           config: FocusConfig, valid: torch.Tensor, k_member: torch.Tensor | None,
+                           scale: float) -> torch.Tensor:
+    """Decode (few queries): each query attends only its allowed keys, gathered. Exact; O(Hq Lq Lk) bit tests.
 
-
-def _gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """Few queries (decode): attend only the allowed keys, gathered. pattern ``[B, Hq, Lq, Lk]``."""
+    Query rows are grouped by KV head: the keys any of them needs are gathered once, and each row masks the rest.
+    """
     b, hq, lq, d = q.shape
-    rep = hq // k.shape[1]
-    count = pattern.sum(-1)
+    hkv, lk = k.shape[1], k.shape[2]
+    rows = hq // hkv * lq  # query rows per KV head, ordered (head in group, query)
+    if k_member is None:
+        k_member = routing.hard_membership(k, centroids, config.tau, config.key_top_k)
+    q_member = routing.hard_membership(q, centroids, config.tau, config.query_top_k).reshape(b, hkv, rows)
+    pos = token_positions(valid)
+    q_pos, q_valid = pos[:, lk - lq:], valid[:, lk - lq:]
+    j = torch.arange(lk, device=k.device)
+    causal = j <= (j[lk - lq:, None])  # [Lq, Lk]
+    real = valid[:, None, :] & causal & q_valid[:, :, None]  # [B, Lq, Lk]
+    near = ((q_pos[:, :, None] - pos[:, None, :]) < config.window) | (pos < config.sink_tokens)[:, None, :]
+    tile = lambda x: x.repeat(1, rows // lq, 1)[:, None]  # noqa: E731  [B, Lq, Lk] -> [B, 1, rows, Lk]
+    allowed = (((q_member[..., None] & k_member[:, :, None, :]) != 0) | tile(near)) & tile(real)
+    # Keys any query row of a KV head needs are gathered once for all of them.
+    union = allowed.any(2)  # [B, Hkv, Lk]
+    count = union.sum(-1)
     m = max(int(count.max()), 1)
-    idx = torch.argsort((~pattern).to(torch.int8), dim=-1, stable=True)[..., :m]  # allowed keys first
-    bi = torch.arange(b, device=q.device)[:, None, None, None]
-    hi = (torch.arange(hq, device=q.device) // rep)[None, :, None, None]
-    kg, vg = k[bi, hi, idx], v[bi, hi, idx]  # [B, Hq, Lq, M, D]
-    s = torch.einsum("bhqd,bhqmd->bhqm", q.float(), kg.float()) * scale
-    s = s.masked_fill(torch.arange(m, device=q.device) >= count[..., None], float("-inf"))
-    p = torch.nan_to_num(s.softmax(-1), nan=0.0)
-    return torch.einsum("bhqm,bhqmd->bhqd", p, vg.float()).to(q.dtype)
+    used = torch.arange(m, device=k.device) < count[..., None]  # [B, Hkv, m]
+    idx = torch.zeros(used.shape, dtype=torch.long, device=k.device).masked_scatter_(used, union.nonzero()[:, 2])
+    bi, hi = torch.arange(b, device=k.device)[:, None, None], torch.arange(hkv, device=k.device)[None, :, None]
+    kg, vg = k[bi, hi, idx].float(), v[bi, hi, idx].float()  # [B, Hkv, m, D]
+    s = torch.einsum("bhrd,bhmd->bhrm", q.reshape(b, hkv, rows, d).float(), kg) * scale
+    ok = allowed.gather(-1, idx[:, :, None, :].expand(-1, -1, rows, -1)) & used[:, :, None, :]
+    p = torch.nan_to_num(s.masked_fill(~ok, float("-inf")).softmax(-1), nan=0.0)
+    return torch.einsum("bhrm,bhmd->bhrd", p, vg).reshape(b, hq, lq, d).to(q.dtype)
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    """Run the block with ``n`` intra-op threads (restored afterwards)."""
+    old = torch.get_num_threads()
+    if n == old:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _flex_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, scale: float, extra: torch.Tensor,
+              threads: int, score: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """One compiled flex call: (raw output ``[B, H, L, D+2]``, r_real, lse, trusted), the last three ``[B, H, L]``.
+
+    Extra-key slots (``extra``, ``[B, Hkv or 1, Lk]``) hold zero keys, so the extra key scores 0 with no score_mod;
+    values carry two flag channels (real keys, extra key), so the output over the real keys is
+    ``out[..., :D] / r_real`` and ``lse = log r_real - log r_extra`` (DESIGN.md §4 (a)). A row is not trusted where
+    a flag under/overflowed (|lse| beyond ~69). ``score`` ``[B, H, L]`` makes the extra key score that value instead,
+    through one more head-dim channel. A row with no real key gets lse = -inf.
+    """
+    d = q.shape[-1]
+    shift: torch.Tensor | float = 0.0
+    if score is not None:
+        c = (score / scale).to(q.dtype)
+        q = torch.cat([q, c[..., None]], -1)
+        k = torch.cat([k, extra[..., None].expand(k.shape[0], k.shape[1], -1, 1).to(k.dtype)], -1)
+        shift = c.float() * scale
+    with _threads(threads):
+        out = compiled_flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    real, extra_w = out[..., d].float(), out[..., d + 1].float()
+    lse = real.log() - extra_w.clamp_min(torch.finfo(torch.float32).tiny).log() + shift
+    lse = torch.where(real > 0, lse, float("-inf"))
+    return out, real, lse, (real >= LSE_SAFE) & (extra_w >= LSE_SAFE)
+
+
+def _local_exact(ql: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, rows: torch.Tensor, lay: LocalLayout,
+                 config: FocusConfig, scale: float, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact (output, lse) of the given layout rows ``[R, 3]`` (b, h, row), from their <= sinks + window keys.
+
+    The fallback for rows whose logits are too large for the zero-score extra key: O(R (window + sinks) D).
+    """
+    s, w, d = config.sink_tokens, config.window, ql.shape[-1]
+    rep = ql.shape[1] // kl.shape[1]
+    cand = torch.cat([torch.arange(s), torch.arange(-w + 1, 1)]).to(ql.device)  # sink slots, then t - p
+    is_sink = torch.arange(s + w, device=ql.device) < s
+    outs, lses = [], []
+    for part in rows.split(chunk):
+        b, h, r = part.unbind(-1)
+        p = (lay.q_base[b] + r)[:, None]
+        t = torch.where(is_sink, cand, p + cand)
+        ok = torch.where(is_sink, t <= p, (t >= s) & (t >= 0))
+        slot = torch.where(is_sink, t, t + lay.sink_slots).clamp(0, kl.shape[2] - 1)
+        kh = (h // rep)[:, None]
+        keys, vals = kl[b[:, None], kh, slot].float(), vl[b[:, None], kh, slot, :d].float()
+        sc = torch.einsum("rd,rkd->rk", ql[b, h, r].float(), keys) * scale
+        sc = sc.masked_fill(~ok, float("-inf"))
+        lses.append(sc.logsumexp(-1))
+        outs.append(torch.einsum("rk,rkd->rd", sc.softmax(-1), vals))
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _local_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: LocalLayout, config: FocusConfig,
+                scale: float, threads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Window + sinks, in query order: raw output ``r_real * o`` ``[B, Hq, Lq, D]``, r_real and lse ``[B, Hq, Lq]``."""
+    b, hq, lq, d = q.shape
+    lk, s = k.shape[2], config.sink_tokens
+    kv_len = lay.k_src.shape[1]
+    if lay.shift is not None:  # no padding: plain slices
+        ql = q.new_zeros(b, hq, lay.q_rows.shape[1], d)
+        ql[:, :, lay.shift:lay.shift + lq] = q
+        kl = k.new_zeros(b, k.shape[1], kv_len, d)
+        vl = v.new_zeros(b, k.shape[1], kv_len, d + 2)
+        ns = min(s, lk)
+        for dst, src in ((slice(0, ns), slice(0, ns)), (slice(lay.sink_slots, lay.sink_slots + lk), slice(0, lk))):
+            kl[:, :, dst], vl[:, :, dst, :d] = k[:, :, src], v[:, :, src]
+            vl[:, :, dst, d] = 1
+    else:
+        ql, kl = _rows(q, lay.q_rows[:, None]), _rows(k, lay.k_src[:, None])
+        flag = (lay.k_src >= 0)[:, None, :, None].expand(-1, k.shape[1], -1, -1).to(v.dtype)
+        vl = torch.cat([_rows(v, lay.k_src[:, None]), flag, torch.zeros_like(flag)], -1)
+    vl[:, :, lay.extra, d + 1] = 1
+    extra = (torch.arange(kv_len, device=k.device) == lay.extra)[None, None]
+    out, real, lse, trusted = _flex_lse(ql, kl, vl, lay.mask, scale, extra, threads)
+    bad = ~trusted & (lay.q_rows >= 0)[:, None]
+    if bool(bad.any()):
+        rows = bad.nonzero()
+        o_bad, lse_bad = _local_exact(ql, kl, vl, rows, lay, config, scale)
+        idx = tuple(rows.T)
+        out[idx + (slice(0, d),)], real[idx], lse[idx] = o_bad.to(out.dtype), 1.0, lse_bad
+    if lay.shift is not None:
+        rows = slice(lay.shift, lay.shift + lq)
+        return out[:, :, rows, :d], real[:, :, rows], lse[:, :, rows]
+    slot = lay.q_slot[:, None].expand(-1, hq, -1)
+    pick = lambda x, fill: torch.where(slot >= 0, x.gather(2, slot.clamp_min(0)), fill)  # noqa: E731
+    return _rows(out[..., :d], lay.q_slot[:, None]), pick(real, 0.0), pick(lse, float("-inf"))
+
+
+def _far_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: FarLayout, lse_loc: torch.Tensor,
+              scale: float, threads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same-group pairs beyond the window, per sorted query copy: raw output, r_real, lse.
+
+    If the zero-score extra key cannot be trusted for some row, the call is redone with the extra key scoring the
+    local lse. Then a flag can only underflow where one part outweighs the other by > e^69, and the merge is exact.
+    """
+    qf = q.gather(2, lay.q_src[..., None].expand(-1, -1, -1, q.shape[-1]))
+    flags = torch.stack([lay.k_src >= 0, lay.extra], -1).to(v.dtype)
+    kf, vf = _rows(k, lay.k_src), torch.cat([_rows(v, lay.k_src), flags], -1)
+    out, real, lse, trusted = _flex_lse(qf, kf, vf, lay.mask, scale, lay.extra, threads)
+    if bool((lay.has_keys & ~trusted).any()):
+        score = torch.where(torch.isfinite(lse_loc), lse_loc, 0.0).gather(2, lay.q_src)
+        out, real, lse, _ = _flex_lse(qf, kf, vf, lay.mask, scale, lay.extra, threads, score)
+    return out, real, lse
+
+
+def _merge(loc: tuple[torch.Tensor, ...], far: tuple[torch.Tensor, ...], lay: FarLayout,
+           single_copy: bool) -> torch.Tensor:
+    """Exact union of the two parts (fp32): softmax weights ``exp(lse_part - lse_total)`` on the raw outputs."""
+    (out_l, real_l, lse_l), (out_f, real_f, lse_f) = loc, far
+    q_src, lq, d = lay.q_src, out_l.shape[2], out_l.shape[-1]
+    tiny = torch.finfo(torch.float32).tiny
+    m = lse_l.scatter_reduce(2, q_src, lse_f, "amax")
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    w_l, w_f = torch.exp(lse_l - m), torch.exp(lse_f - m.gather(2, q_src))
+    den = w_l.scatter_add(2, q_src, w_f)
+    den = torch.where(den > 0, den, 1.0)
+    a = w_l / (den * real_l.clamp_min(tiny))  # out[..., :D] holds r_real * (normalised output)
+    b = w_f / (den.gather(2, q_src) * real_f.clamp_min(tiny))
+    if not single_copy:
+        res = out_l * a[..., None]
+        return res.scatter_add_(2, q_src[..., None].expand(-1, -1, -1, d), out_f[..., :d] * b[..., None])
+    # Each query has at most one far copy: gather it instead of scattering (fp32 accumulation, in place).
+    copy = torch.full(lse_l.shape[:2] + (lq + 1,), -1, dtype=torch.long, device=lse_l.device)
+    ranks = torch.arange(q_src.shape[2], device=q_src.device).expand_as(q_src)
+    copy = copy.scatter_(2, torch.where(lay.q_real, q_src, lq), ranks)[..., :lq]
+    bq = torch.where(copy >= 0, b.gather(2, copy.clamp_min(0)), 0.0)
+    res = out_f[..., :d].gather(2, copy.clamp_min(0)[..., None].expand(-1, -1, -1, d)).float()
+    return res.mul_(bq[..., None]).addcmul_(out_l, a[..., None])
 
 
 def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
@@ -373,42 +541,32 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
     valid = check_inputs(q, k, v, centroids, config, attention_mask)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     b, hq, lq, d = q.shape
-    lk = k.shape[2]
     if k_member is not None and k_member.shape != k.shape[:3]:
         raise ValueError(f"k_member {tuple(k_member.shape)} must be [B, Hkv, Lk] = {tuple(k.shape[:3])}")
     if lq <= DECODE_MAX_QUERIES:
-        pattern = focus_pattern(q, k, centroids, config, attention_mask=valid, k_member=k_member)
-        return _gather_attention(q, k, v, pattern, scale)
+        with _threads(1 if q.device.type == "cpu" else torch.get_num_threads()):
+            return _few_queries_attention(q, k, v, centroids, config, valid, k_member, scale)
 
     k_groups = None
     if k_member is not None:
         k_groups = groups_from_membership(k_member, config.key_top_k, config.num_groups)
-    plan = plan_attention(q, k, centroids, config, valid=valid, k_groups=k_groups)
-    bs = config.block_size
-    # Local call.
-    ql = _pad_to(q, plan.q_len_pad, 2)
-    kl, vl = _keys_with_extra(k, v, plan.k_len_pad, bs)
-    stab = _pad_to(_self_scores(q, k, valid, config.sink_tokens, scale), plan.q_len_pad, 2)
-    o_loc, lse_loc = _flex_with_lse(ql, kl, vl, plan.local_mask, stab, plan.local_kind, scale)
-    o_loc, lse_loc = o_loc[:, :, :lq], lse_loc[:, :, :lq]
-    # Far call on sorted copies; its extra key scores the local lse (the natural scale of the row).
-    qf = q.gather(2, plan.q_src[..., None].expand(-1, -1, -1, d))
-    kf = k.gather(2, plan.k_src[..., None].expand(-1, -1, -1, d))
-    vf = v.gather(2, plan.k_src[..., None].expand(-1, -1, -1, d))
-    kf, vf = _keys_with_extra(kf, vf, kf.shape[2], bs)
-    stab_far = torch.where(torch.isfinite(lse_loc), lse_loc, 0.0).gather(2, plan.q_src)
-    o_far, lse_far = _flex_with_lse(qf, kf, vf, plan.far_mask, stab_far, plan.far_kind, scale)
-    # Exact merge: softmax over the union = weights exp(lse_part - lse_total).
-    m = lse_loc.scatter_reduce(2, plan.q_src, lse_far, "amax")
-    m = torch.where(torch.isfinite(m), m, 0.0)
-    w_loc = torch.exp(lse_loc - m)
-    w_far = torch.exp(lse_far - m.gather(2, plan.q_src))
-    num = (w_loc[..., None] * o_loc).scatter_add(2, plan.q_src[..., None].expand(-1, -1, -1, d),
-                                                   w_far[..., None] * o_far)
-    den = w_loc.scatter_add(2, plan.q_src, w_far)
-    out = torch.where(den[..., None] > 0, num / den.clamp_min(1e-30)[..., None], 0.0)
-    out = out.masked_fill(~valid[:, None, lk - lq:, None], 0.0)  # padded queries (the local call lets them in)
-    return out.to(q.dtype)
+    threads = torch.get_num_threads()
+    out = torch.empty_like(q)
+    rep = hq // k.shape[1]
+    # Everything but the two flex kernels is small, latency-bound integer and copy work: on CPU it runs on one
+    # thread (OpenMP barriers of many small ops cost more than they save, especially on a busy 2-core machine).
+    # One KV head (and its query heads) at a time keeps the temporaries at a fraction of the output's size.
+    with _threads(1 if q.device.type == "cpu" else threads):
+        for j in range(k.shape[1]):
+            hs, ks = slice(j * rep, (j + 1) * rep), slice(j, j + 1)
+            qj, kj, vj = q[:, hs], k[:, ks], v[:, ks]
+            plan = plan_attention(qj, kj, centroids[ks], config, valid=valid,
+                                  k_groups=None if k_groups is None else k_groups[:, ks])
+            o_loc, real, lse = _local_call(qj, kj, vj, plan.local, config, scale, threads)
+            out[:, hs] = o_loc  # parked in the output (same dtype, no rounding): frees the local call's buffers
+            far = _far_call(qj, kj, vj, plan.far, lse, scale, threads)
+            out[:, hs] = _merge((out[:, hs], real, lse), far, plan.far, config.query_top_k == 1)
+    return out
 
 
 def causal_blocks(n: int, block_size: int) -> float:

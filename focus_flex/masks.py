@@ -34,10 +34,6 @@ from torch.nn.attention.flex_attention import BlockMask, and_masks, or_masks
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-# Key kinds in the padded layouts used by the fast path.
-PAD, REAL, EXTRA = 0, 1, 2
-
-
 def causal(b, h, q_idx, kv_idx):
     """Key not after the query."""
     return kv_idx <= q_idx
@@ -78,64 +74,66 @@ def focus_mask_mod(window: int, num_sinks: int, q_member: torch.Tensor, k_member
 # ---- the two layouts of the fast path -----------------------------------------------------------
 
 
-def local_mask_mod(q_abs: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, k_kind: torch.Tensor,
-                   window: int, num_sinks: int) -> MaskMod:
-    """Local call, tokens in order: causal & (window | sinks) over positions of real tokens.
+def local_mask_mod(q_base: torch.Tensor, window: int, num_sinks: int, sink_slots: int) -> MaskMod:
+    """Local call over compacted tokens: causal & (window | sinks), pure index arithmetic.
 
-    q_abs ``[Lq_pad]``: index of each query among the keys (queries are the last Lq keys);
-    q_pos ``[B, Lq_pad]``, k_pos ``[B, Lk_tot]``: positions counting only non-padded tokens;
-    k_kind ``[B, Lk_tot]``: PAD / REAL / EXTRA (the one LSE-carrying key, always visible).
+    Key slots ``[0, num_sinks)`` hold the sinks, slot ``num_sinks`` the extra (LSE) key, which every query sees;
+    token t sits at slot ``sink_slots + t`` (tokens below ``num_sinks`` count only as sinks). Query row r holds
+    position ``q_base[b] + r``.
     """
 
     def mask_mod(b, h, q_idx, kv_idx):
-        kind = k_kind[b, kv_idx]
-        dist = q_pos[b, q_idx] - k_pos[b, kv_idx]
-        near = (dist < window) | (k_pos[b, kv_idx] < num_sinks)
-        return ((kind == REAL) & (kv_idx <= q_abs[q_idx]) & near) | (kind == EXTRA)
+        p = q_idx + q_base[b]
+        t = kv_idx - sink_slots
+        sink = (kv_idx < num_sinks) & (kv_idx <= p)
+        near = (t >= num_sinks) & (t <= p) & (p - t < window)
+        return sink | near | (kv_idx == num_sinks)
 
     return mask_mod
 
 
-def far_mask_mod(q_grp: torch.Tensor, q_pos: torch.Tensor, k_grp: torch.Tensor, k_pos: torch.Tensor,
-                 k_kind: torch.Tensor, window: int, num_sinks: int,
+def far_mask_mod(lo: torch.Tensor, hi: torch.Tensor, extra: torch.Tensor, q_grp: torch.Tensor | None = None,
                  q_mem: torch.Tensor | None = None, k_mem: torch.Tensor | None = None) -> MaskMod:
-    """Far call, copies sorted by (group, position): same group, beyond the window, not a sink.
+    """Far call, copies sorted by (group, position): query copy i sees key slots ``[lo_i, hi_i)`` and ``extra_i``.
 
-    Per-copy tensors ``[B, Hq, Nq]`` (queries) and ``[B, Hq, Nk]`` (keys, repeated per query head of
-    their KV head, so that the mod never divides head indices): group id, position of the
-    source token, kind. A token in several groups has one copy per group; when both queries and keys
-    have top-k > 1, a pair is counted only in the lowest group they share (``q_mem``/``k_mem``
-    bitmasks), so nothing is counted twice.
+    ``lo``/``hi``/``extra`` are ``[B, Hq, Nq]``: per-row lookups only, so the mod stays cheap. When queries and keys
+    both have top-k > 1, a pair is counted only in the lowest group they share (``q_grp``, and ``q_mem``/``k_mem``
+    bitmasks ``[B, Hq, N]``), so nothing is counted twice.
     """
 
     def mask_mod(b, h, q_idx, kv_idx):
-        g = q_grp[b, h, q_idx]
-        kind = k_kind[b, h, kv_idx]
-        kp = k_pos[b, h, kv_idx]
-        ok = (kind == REAL) & (k_grp[b, h, kv_idx] == g) & (q_pos[b, h, q_idx] - kp >= window) & (kp >= num_sinks)
+        ok = (kv_idx >= lo[b, h, q_idx]) & (kv_idx < hi[b, h, q_idx])
         if q_mem is not None:
+            g = q_grp[b, h, q_idx]
             lower = (torch.ones_like(g) << g) - 1
             ok = ok & ((q_mem[b, h, q_idx] & k_mem[b, h, kv_idx] & lower) == 0)
-        return ok | (kind == EXTRA)
+        return ok | (kv_idx == extra[b, h, q_idx])
 
     return mask_mod
 
 
-def block_mask_from_bools(blocks: torch.Tensor, full: torch.Tensor, mask_mod: MaskMod, q_len: int, kv_len: int,
-                          block_size: int) -> BlockMask:
-    """BlockMask from block-level booleans ``[B, H, nq, nk]``: ``blocks`` = may hold a pair,
-    ``full`` = every pair allowed (``mask_mod`` is skipped there). O(nq * nk) work."""
-    partial = blocks & ~full
-
-    def indices(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        counts = x.sum(-1, dtype=torch.int32)
-        order = torch.argsort((~x).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-        return counts, order
-
-    kv_num, kv_idx = indices(partial)
-    full_num, full_idx = indices(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
-                                    mask_mod=mask_mod, seq_lengths=(q_len, kv_len))
+def range_block_mask(has: torch.Tensor, prefix: int, start: torch.Tensor, end: torch.Tensor,
+                     full_start: torch.Tensor, full_end: torch.Tensor, mask_mod: MaskMod, q_len: int, kv_len: int,
+                     block_size: int) -> BlockMask:
+    """BlockMask from block ranges ``[B, H, nq]``: a query block with ``has`` computes KV blocks ``[0, prefix)``
+    and ``[start, end)``, of which ``[full_start, full_end)`` are full (``mask_mod`` skipped). O(B H nq nk) ints."""
+    start = start.clamp_min(prefix)
+    end = torch.maximum(end, start)
+    full_start = torch.minimum(torch.maximum(full_start, start), end)
+    full_end = torch.minimum(torch.maximum(full_end, full_start), end)
+    a = torch.where(has, prefix, 0)
+    b = torch.where(has, full_start - start, 0)
+    c = torch.where(has, end - full_end, 0)
+    f = torch.where(has, full_end - full_start, 0)
+    j = torch.arange(kv_len // block_size, device=start.device)
+    ex = lambda t: t[..., None]  # noqa: E731
+    idx = torch.where(j < ex(a), j, torch.where(j < ex(a + b), ex(start - a) + j, ex(full_end - a - b) + j))
+    idx = torch.where(j < ex(a + b + c), idx, 0)
+    full_idx = torch.where(j < ex(f), ex(full_start) + j, 0)
+    i32 = torch.int32
+    return BlockMask.from_kv_blocks((a + b + c).to(i32), idx.to(i32), f.to(i32), full_idx.to(i32),
+                                    BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(q_len, kv_len),
+                                    compute_q_blocks=False)
 
 
 def block_density(mask: BlockMask, dense_blocks: float) -> float:

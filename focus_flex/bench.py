@@ -1,0 +1,752 @@
+"""``focus-flex bench``: the Focus fast path against its baselines, side by side, on this machine.
+
+Sections (``--sections``):
+
+* ``op`` — one attention layer of SmolLM2's shape (9 query / 3 KV heads, head dim 64), per length and dtype:
+  Focus vs causal SDPA, compiled FlexAttention (causal) and window-only attention (Focus' own local call: sliding
+  window + sinks); block density, the ideal speedup (causal blocks / computed blocks), the fraction of it achieved,
+  and the share of routing + mask building. Routing is balanced: queries and keys are drawn around the centroids.
+* ``prefill`` — SmolLM2 end to end (``logits_to_keep=1``): Focus vs SDPA, plus the block density of real routing.
+* ``decode`` — tokens/s on a KV cache of each length: Focus vs SDPA (one process per method). The cache holds a real
+  2K-token prefill's keys/values tiled to the length, in a preallocated cache (transformers' ``DynamicCache``
+  re-concatenates the whole cache every step, which would dominate both methods alike).
+* ``memory`` — the peak RSS of every Focus / SDPA measurement above.
+* ``compile`` — first-call compile time (cold and warm inductor cache) and recompiles while lengths vary.
+
+Every configuration runs in a fresh subprocess (``python -m focus_flex.bench _worker SPEC``). There each method is
+warmed up, then timed ``repeats`` times alternating with its baseline (min and median reported; a method stops
+repeating once it has used ``max_seconds``). A method's peak RSS is the process' high-water mark, reset
+(``/proc/self/clear_refs``) just before its first timed call. Before anything is timed, the fast path is checked
+against :func:`~focus_flex.attention.reference_attention` (fp32 and bf16, padding, GQA, decode): a wrong kernel stops
+the benchmark, so no speedup is ever reported for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SECTIONS = ("op", "prefill", "decode", "memory", "compile")
+TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
+HQ, HKV, HEAD_DIM = 9, 3, 64  # SmolLM2-135M attention
+TARGETS = {"op_speedup_32k": 8.0, "ideal_fraction": 0.8, "plan_share": 0.10, "prefill_16k": 2.0, "decode_32k": 3.0}
+
+
+class BenchError(RuntimeError):
+    """The benchmark refused to run or a worker failed."""
+
+
+# ---- CLI -----------------------------------------------------------------------------------------
+
+
+def _ints(text: str) -> list[int]:
+    return [int(float(x.lower().replace("k", "")) * (1024 if "k" in x.lower() else 1)) for x in text.split(",") if x]
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``bench``; ``args.func(args)`` runs it and returns the exit code."""
+    p = subparsers.add_parser("bench", help="benchmark the Focus fast path against SDPA / FlexAttention",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=_ints, default=[4096, 8192, 16384, 32768], help="op lengths (4096 or 4k)")
+    p.add_argument("--dtypes", type=_names, default=["float32", "bfloat16"], help="op dtypes")
+    p.add_argument("--prefill-lengths", type=_ints, default=[4096, 8192, 16384])
+    p.add_argument("--decode-lengths", type=_ints, default=[8192, 32768], help="KV cache lengths")
+    p.add_argument("--decode-tokens", type=int, default=8, help="timed decode steps per method")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-seconds", type=float, default=60.0, help="stop repeating a method after this much time")
+    p.add_argument("--sections", type=_names, default=list(SECTIONS), help=",".join(SECTIONS))
+    p.add_argument("--output-dir", default="bench-results")
+    p.add_argument("--groups", type=int, default=16)
+    p.add_argument("--top-k", type=int, default=1)
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=64, help="FlexAttention tile of the fast path")
+    p.add_argument("--model-dtype", default="float32",
+                   help="dtype of SmolLM2 in prefill/decode (bf16 matmuls are ~7x slower on AVX2-only CPUs)")
+    p.add_argument("--adapter", default=None,
+                   help="trained adapter for prefill/decode (default: the first one under hub/, else k-means "
+                        "centroids of the model's own keys)")
+    p.add_argument("--flex-causal-max", type=int, default=16384,
+                   help="skip the compiled-flex causal baseline above this length (~2x slower than SDPA: minutes)")
+    p.set_defaults(func=_cli)
+    return p
+
+
+def _cli(args: argparse.Namespace) -> int:
+    try:
+        prog = "focus-flex" if sys.argv[1:2] == ["bench"] else "python -m focus_flex.bench"
+        run_bench(lengths=args.lengths, dtypes=args.dtypes, repeats=args.repeats, sections=args.sections,
+                  output_dir=args.output_dir, prefill_lengths=args.prefill_lengths,
+                  decode_lengths=args.decode_lengths, decode_tokens=args.decode_tokens, groups=args.groups,
+                  top_k=args.top_k, window=args.window, sinks=args.sinks, block_size=args.block_size,
+                  model_dtype=args.model_dtype, adapter=args.adapter, max_seconds=args.max_seconds,
+                  flex_causal_max=args.flex_causal_max, command=" ".join([prog, *sys.argv[1:]]))
+    except BenchError as e:
+        print(f"focus-flex bench: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---- the driver ----------------------------------------------------------------------------------
+
+
+def run_bench(*, lengths: Sequence[int] = (4096, 8192, 16384, 32768), dtypes: Sequence[str] = ("float32", "bfloat16"),
+              repeats: int = 3, sections: Sequence[str] = SECTIONS, output_dir: str | os.PathLike = "bench-results",
+              prefill_lengths: Sequence[int] = (4096, 8192, 16384), decode_lengths: Sequence[int] = (8192, 32768),
+              decode_tokens: int = 8, groups: int = 16, top_k: int = 1, window: int = 256, sinks: int = 4,
+              block_size: int = 64, model_dtype: str = "float32", adapter: str | None = None,
+              max_seconds: float = 60.0, flex_causal_max: int = 16384, command: str = "",
+              log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the selected sections; write ``bench.json``, ``bench.md`` and ``bench.png`` into ``output_dir``."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    unknown = sorted(set(sections) - set(SECTIONS))
+    bad_dtypes = sorted(set(dtypes) - set(TOLERANCE))
+    if unknown or bad_dtypes:
+        raise BenchError(f"unknown sections {unknown} or dtypes {bad_dtypes}; choose from {SECTIONS} and "
+                         f"{tuple(TOLERANCE)}")
+    focus = {"num_groups": groups, "query_top_k": top_k, "key_top_k": top_k, "window": window,
+             "sink_tokens": sinks, "block_size": block_size}
+    started = time.time()
+    results: dict[str, Any] = {"machine": machine_info(), "command": command, "focus": focus,
+                               "repeats": repeats, "max_seconds": max_seconds}
+    log("checking the fast path against reference_attention ...")
+    results["correctness"] = check_correctness(focus)
+    common = {"focus": focus, "repeats": repeats, "max_seconds": max_seconds}
+    if "op" in sections:
+        results["op"] = []
+        for dtype in dtypes:
+            for n in lengths:
+                log(f"op: {dtype} N={n} ...")
+                results["op"].append(_run_worker({**common, "task": "op", "n": n, "dtype": dtype,
+                                                  "flex_causal": n <= flex_causal_max}))
+    adapter_dir = adapter or _find_adapter()
+    model_spec = {**common, "model_dtype": model_dtype, "adapter": adapter_dir}
+    if "prefill" in sections:
+        results["prefill"] = []
+        for n in prefill_lengths:
+            log(f"prefill: N={n} ...")
+            results["prefill"].append(_run_worker({**model_spec, "task": "prefill", "n": n}))
+    if "decode" in sections:
+        results["decode"] = []
+        for n in decode_lengths:
+            log(f"decode: cache={n} ...")
+            spec = {**model_spec, "task": "decode", "n": n, "tokens": decode_tokens}
+            runs = {m: _run_worker({**spec, "method": m}) for m in ("sdpa", "focus")}  # one process each: clean RSS
+            results["decode"].append({**runs["sdpa"], **runs["focus"]})
+    if "compile" in sections:
+        log("compile ...")
+        results["compile"] = _run_worker({**common, "task": "compile", "dtype": dtypes[0]})
+    results["sections"] = list(sections)
+    results["targets"] = evaluate_targets(results)
+    results["wall_seconds"] = round(time.time() - started, 1)
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "bench.md").write_text(to_markdown(results))
+    plot(results, out / "bench.png")
+    log(f"wrote {out / 'bench.md'}, bench.json, bench.png ({results['wall_seconds']:.0f} s)")
+    return results
+
+
+def machine_info() -> dict[str, Any]:
+    """Date, CPU, cores and library versions, for the report header."""
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text()).group(1).strip()
+    except (OSError, AttributeError):
+        pass
+    return {"date": datetime.date.today().isoformat(), "cpu": cpu, "cores": os.cpu_count(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+
+
+def _find_adapter() -> str | None:
+    from focus_flex.config import CONFIG_NAME, WEIGHTS_NAME
+
+    hub = Path(__file__).resolve().parent.parent / "hub"
+    found = sorted(p.parent for p in hub.glob(f"**/{CONFIG_NAME}") if (p.parent / WEIGHTS_NAME).is_file())
+    return str(found[0]) if found else None
+
+
+def _run_worker(spec: dict[str, Any], timeout: float = 3600) -> dict[str, Any]:
+    """Run one configuration in a fresh interpreter; its last stdout line is ``RESULT <json>``."""
+    cmd = [sys.executable, "-m", "focus_flex.bench", "_worker", json.dumps(spec)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+    raise BenchError(f"worker {spec.get('task')} (n={spec.get('n')}) failed with exit code {proc.returncode}:\n{tail}")
+
+
+# ---- keeping it honest ---------------------------------------------------------------------------
+
+
+def check_correctness(focus: dict[str, Any]) -> list[dict[str, Any]]:
+    """Fast path vs the reference at a small length (prefill with padding, chunked prefill, decode), fp32 and bf16.
+
+    Raises :class:`BenchError` if any case exceeds the tolerance (1e-4 fp32, 2e-2 bf16): no speedup is reported for a
+    kernel that is not exact.
+    """
+    from focus_flex import attention
+    from focus_flex.config import FocusConfig
+
+    cfg = FocusConfig(**{**focus, "window": min(focus["window"], 96), "sink_tokens": min(focus["sink_tokens"], 4)})
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for dtype in ("float32", "bfloat16"):
+        for name, b, lq, lk, pad in (("prefill", 2, 700, 700, 37), ("chunked prefill", 1, 300, 700, 0),
+                                     ("decode", 2, 1, 700, 11)):
+            c = F.normalize(torch.randn(HKV, cfg.num_groups, HEAD_DIM, generator=gen), dim=-1)
+            q = torch.randn(b, HQ, lq, HEAD_DIM, generator=gen)
+            k, v = (torch.randn(b, HKV, lk, HEAD_DIM, generator=gen) for _ in range(2))
+            mask = torch.ones(b, lk, dtype=torch.bool)
+            mask[0, :pad] = False
+            q, k, v = (x.to(getattr(torch, dtype)) for x in (q, k, v))
+            ref = attention.reference_attention(q.float(), k.float(), v.float(), c, cfg, attention_mask=mask)
+            got = attention.focus_attention(q, k, v, c, cfg, attention_mask=mask)
+            err = (got.float() - ref).abs().max().item()
+            out.append({"case": name, "dtype": dtype, "max_abs_diff": err, "tolerance": TOLERANCE[dtype]})
+            if not err <= TOLERANCE[dtype]:
+                raise BenchError(f"the fast path is wrong ({name}, {dtype}): max |focus - reference| = {err:.3g} > "
+                                 f"{TOLERANCE[dtype]}; refusing to benchmark it")
+    return out
+
+
+# ---- measuring -----------------------------------------------------------------------------------
+
+
+def _reset_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+def _peak_mb() -> float:
+    try:
+        return int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
+    except (OSError, AttributeError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _rss_mb() -> float:
+    try:
+        return int(re.search(r"VmRSS:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
+    except (OSError, AttributeError):
+        return float("nan")
+
+
+def _stats(times: list[float]) -> dict[str, Any]:
+    s = sorted(times)
+    return {"min": s[0], "median": s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2,
+            "n": len(s), "all": times}
+
+
+def _measure(methods: dict[str, Callable[[], Any]], repeats: int, max_seconds: float,
+             peak: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+    """Time already warmed-up methods, alternating them; peak RSS of those in ``peak`` on their first call."""
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    peaks: dict[str, float] = {}
+    for _ in range(repeats):
+        for name, fn in methods.items():
+            if times[name] and sum(times[name]) >= max_seconds:
+                continue
+            fresh = name in peak and name not in peaks and _reset_peak()
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+            if fresh:
+                peaks[name] = _peak_mb()
+    return {name: {**_stats(ts), **({"peak_rss_mb": peaks[name]} if name in peaks else {})}
+            for name, ts in times.items()}
+
+
+def _unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def balanced_inputs(n: int, dtype: torch.dtype, groups: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """q ``[1, 9, n, 64]``, k, v ``[1, 3, n, 64]`` and centroids ``[3, G, 64]``, tokens drawn around the centroids
+    (uniform group labels) so that routing is balanced, as Sinkhorn-trained centroids aim for."""
+    gen = torch.Generator().manual_seed(seed)
+    c = F.normalize(torch.randn(HKV, groups, HEAD_DIM, generator=gen), dim=-1)
+
+    def around(heads: int) -> torch.Tensor:
+        labels = torch.randint(0, groups, (1, heads, n), generator=gen)
+        kv_head = (torch.arange(heads) * HKV // heads)[None, :, None]
+        return 2.0 * c[kv_head, labels] + 0.5 * torch.randn(1, heads, n, HEAD_DIM, generator=gen)
+
+    q, k = around(HQ), around(HKV)
+    v = torch.randn(1, HKV, n, HEAD_DIM, generator=gen)
+    return q.to(dtype), k.to(dtype), v.to(dtype), c
+
+
+def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    from focus_flex import attention, masks
+    from focus_flex.config import FocusConfig
+
+    n, dtype = spec["n"], getattr(torch, spec["dtype"])
+    cfg = FocusConfig(**spec["focus"])
+    bs = cfg.block_size
+    q, k, v, c = balanced_inputs(n, dtype, cfg.num_groups)
+    valid = torch.ones(1, n, dtype=torch.bool)
+    scale = HEAD_DIM ** -0.5
+    threads = torch.get_num_threads()
+
+    def focus() -> torch.Tensor:
+        return attention.focus_attention(q, k, v, c, cfg)
+
+    def sdpa() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    def window() -> torch.Tensor:  # window + sinks only: Focus' local call on its own
+        with attention._threads(1):
+            lay = attention._plan_local(valid, n, cfg)
+            out, real, _ = attention._local_call(q, k, v, lay, cfg, scale, threads)
+            return out[..., :HEAD_DIM] / real[..., None]
+
+    def plan() -> attention.FocusPlan:  # routing + both block masks, as the fast path runs it
+        with attention._threads(1):
+            return attention.plan_attention(q, k, c, cfg, valid=valid)
+
+    res: dict[str, Any] = {"n": n, "dtype": spec["dtype"], "threads": threads}
+    F.scaled_dot_product_attention(q[:, :, :256], k[:, :, :256], v[:, :, :256], is_causal=True, enable_gqa=True)
+    t = time.perf_counter()
+    focus()  # compiles this length's bucket
+    res["first_call_s"] = time.perf_counter() - t
+    window()
+    methods = {"focus": focus, "sdpa": sdpa, "window": window}
+    if spec.get("flex_causal"):
+        ranges = torch.arange(-(-n // 128))[None, None]
+        causal_mask = masks.range_block_mask(torch.ones_like(ranges, dtype=torch.bool), 0, ranges * 0, ranges + 1,
+                                             ranges * 0, ranges, masks.causal, n, n, 128)
+
+        def flex_causal() -> torch.Tensor:
+            return attention.compiled_flex()(q, k, v, block_mask=causal_mask, enable_gqa=True)
+
+        t = time.perf_counter()
+        flex_causal()
+        res["flex_causal_first_call_s"] = time.perf_counter() - t
+        methods["flex_causal"] = flex_causal
+    graphs = _unique_graphs()
+    res["rss_before_mb"] = _rss_mb()
+    res["times"] = _measure(methods, spec["repeats"], spec["max_seconds"], peak=("focus", "sdpa"))
+    res["plan"] = _measure({"plan": plan}, spec["repeats"], spec["max_seconds"])["plan"]
+    res["recompiles_after_warmup"] = _unique_graphs() - graphs
+    p = plan()
+    res["density"] = p.density(attention.causal_blocks(n, bs))
+    res["pair_density"] = _pair_density(p, n, cfg)
+    return res
+
+
+def _pair_density(p: Any, n: int, cfg: Any) -> float:
+    """Allowed (query, key) pairs over causal pairs, per head: the sparsity limit, independent of tiling."""
+    pos = torch.arange(n)
+    local = torch.minimum(pos + 1, torch.tensor(cfg.window)) + (pos - cfg.window + 1).clamp(0, cfg.sink_tokens)
+    far = (p.far.hi - p.far.lo).sum() / p.far.hi.shape[1]
+    return float((local.sum() + far) / (n * (n + 1) / 2))
+
+
+# ---- the real model ------------------------------------------------------------------------------
+
+
+def _load(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
+    from focus_flex.adapter import FocusAdapter
+    from focus_flex.config import FocusConfig
+    from focus_flex.models import load_model
+
+    model, tokenizer = load_model(dtype=getattr(torch, spec["model_dtype"]))
+    if spec.get("adapter"):
+        adapter = FocusAdapter.from_pretrained(spec["adapter"])
+        adapter.config.block_size = spec["focus"]["block_size"]  # tiling only: the same attention
+    else:
+        adapter = FocusAdapter.for_model(model, FocusConfig(**spec["focus"]))
+        adapter.centroids.data = kmeans_centroids(model, tokenizer, adapter)
+    return model, tokenizer, adapter
+
+
+def kmeans_centroids(model: Any, tokenizer: Any, adapter: Any, n: int = 2048, iters: int = 10) -> torch.Tensor:
+    """Stand-in for trained centroids: spherical k-means of each layer's keys on ``n`` training tokens.
+
+    Random centroids on real activations route most tokens to a few groups (near-dense attention); k-means groups
+    are far closer to the balanced groups that Sinkhorn training produces. ``[layers, Hkv, G, D]``.
+    """
+    from focus_flex.data import load_documents, token_windows
+
+    ids = token_windows(load_documents(split="train"), tokenizer, n, max_windows=1)
+    with torch.inference_mode():
+        cache = model(ids, use_cache=True, logits_to_keep=1).past_key_values
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for layer in adapter.config.layers:
+        keys = F.normalize(cache.layers[layer].keys[0].float(), dim=-1)  # [Hkv, n, D]
+        c = keys[:, torch.randperm(n, generator=gen)[:adapter.config.num_groups]]
+        for _ in range(iters):
+            assign = torch.einsum("hnd,hgd->hng", keys, c).argmax(-1)
+            sums = torch.zeros_like(c).scatter_add_(1, assign[..., None].expand_as(keys), keys)
+            c = torch.where(sums.norm(dim=-1, keepdim=True) > 0, F.normalize(sums, dim=-1), c)
+        out.append(c)
+    return torch.stack(out)
+
+
+def _tokens(tokenizer: Any, n: int) -> torch.Tensor:
+    from focus_flex.data import load_documents, token_windows
+
+    return token_windows(load_documents(split="eval"), tokenizer, n, max_windows=1)
+
+
+def _warm_focus(model: Any, adapter: Any, lq: int, lk: int) -> None:
+    """Compile the fast path for one layer's shapes (every layer has the same) outside the timed forward."""
+    from focus_flex import attention
+
+    cfg = model.config
+    dt = next(model.parameters()).dtype
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    q, k = torch.randn(1, hq, lq, d, dtype=dt), torch.randn(1, hkv, lk, d, dtype=dt)
+    attention.focus_attention(q, k, k, adapter.centroids[0].detach(), adapter.config)
+
+
+def _prefill_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    from focus_flex import attention
+
+    model, tokenizer, adapter = _load(spec)
+    n = spec["n"]
+    ids = _tokens(tokenizer, n)
+    densities: list[float] = []
+    plan_attention = attention.plan_attention
+
+    def recording_plan(*args: Any, **kwargs: Any) -> Any:  # real routing's block density, first Focus call only
+        p = plan_attention(*args, **kwargs)
+        densities.append(p.density(attention.causal_blocks(n, adapter.config.block_size))["total"])
+        if len(densities) == model.config.num_hidden_layers:
+            attention.plan_attention = plan_attention
+        return p
+
+    def forward() -> None:
+        with torch.inference_mode():
+            model(ids, use_cache=False, logits_to_keep=1)
+
+    res: dict[str, Any] = {"n": n, "model_dtype": spec["model_dtype"], "adapter": spec.get("adapter") or "k-means"}
+    with torch.inference_mode():
+        model(ids[:, :64], use_cache=False, logits_to_keep=1)  # warm-up (SDPA needs no compilation)
+    adapter.attach(model)
+    t = time.perf_counter()
+    _warm_focus(model, adapter, n, n)
+    res["compile_s"] = time.perf_counter() - t
+    attention.plan_attention = recording_plan
+    times = _measure({"focus": forward, "sdpa": lambda: _as_sdpa(model, adapter, forward)}, spec["repeats"],
+                     spec["max_seconds"], peak=("focus", "sdpa"))
+    attention.plan_attention = plan_attention
+    res.update(times)
+    res["density"] = sum(densities) / max(len(densities), 1)
+    res["layers"] = len(densities)
+    return res
+
+
+def _as_sdpa(model: Any, adapter: Any, fn: Callable[[], None]) -> None:
+    adapter.detach(model)
+    try:
+        fn()
+    finally:
+        adapter.attach(model)
+
+
+class _GrowingLayer:
+    """Factory for a KV-cache layer with preallocated capacity: appending a token is O(1) copies, where
+    transformers' ``DynamicLayer`` re-concatenates the whole cache at every step (the same for both methods)."""
+
+    @staticmethod
+    def make(capacity: int) -> Any:
+        from transformers.cache_utils import DynamicLayer
+
+        class GrowingLayer(DynamicLayer):
+            def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+                if not self.is_initialized:
+                    self.lazy_initialization(key_states, value_states)
+                    shape = key_states.shape[:2] + (capacity, key_states.shape[3])
+                    self._k, self._v, self._n = key_states.new_empty(shape), value_states.new_empty(shape), 0
+                end = self._n + key_states.shape[2]
+                self._k[:, :, self._n:end], self._v[:, :, self._n:end] = key_states, value_states
+                self._n = end
+                self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+                return self.keys, self.values
+
+        return GrowingLayer()
+
+
+def _decode_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    from transformers import DynamicCache
+
+    model, tokenizer, adapter = _load(spec)
+    n, steps = spec["n"], spec["tokens"]
+    real = min(n, 2048)
+    ids = _tokens(tokenizer, real)
+    with torch.inference_mode():
+        out = model(ids, use_cache=True, logits_to_keep=1)
+    kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+    first = out.logits[:, -1].argmax(-1, keepdim=True)
+
+    def fresh_cache() -> Any:  # the real prefill's K/V tiled to n tokens (attention cost does not depend on values)
+        cache = DynamicCache(config=model.config)
+        cache.layers = [_GrowingLayer.make(n + steps + 4) for _ in kv]
+        for i, (k, v) in enumerate(kv):
+            reps = -(-n // real)
+            cache.layers[i].update(k.repeat(1, 1, reps, 1)[:, :, :n], v.repeat(1, 1, reps, 1)[:, :, :n])
+        return cache
+
+    def run(count: int, cache: Any, tok: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            for _ in range(count):
+                tok = model(tok, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        return tok
+
+    res: dict[str, Any] = {"n": n, "tokens": steps, "model_dtype": spec["model_dtype"],
+                           "adapter": spec.get("adapter") or "k-means"}
+    name = spec["method"]
+    if name == "focus":
+        adapter.attach(model)
+    cache = fresh_cache()
+    tok = run(2, cache, first)  # warm-up (Focus: routes the whole cache once)
+    _reset_peak()
+    t = time.perf_counter()
+    run(steps, cache, tok)
+    dt = time.perf_counter() - t
+    res[name] = {"tokens_per_s": steps / dt, "s_per_token": dt / steps, "peak_rss_mb": _peak_mb()}
+    return res
+
+
+def _compile_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """First-call compile time in a cold inductor cache, then recompiles while lengths vary within warmed buckets."""
+    from focus_flex import attention
+    from focus_flex.config import FocusConfig
+
+    cfg = FocusConfig(**spec["focus"])
+    dtype = getattr(torch, spec["dtype"])
+    q, k, v, c = balanced_inputs(4096, dtype, cfg.num_groups)
+    res: dict[str, Any] = {"dtype": spec["dtype"]}
+    t = time.perf_counter()
+    attention.focus_attention(q, k, v, c, cfg)
+    res["first_call_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    attention.focus_attention(q, k, v, c, cfg)
+    res["steady_call_s"] = time.perf_counter() - t
+    lengths = [int(x) for x in torch.randint(1025, 4097, (10,), generator=torch.Generator().manual_seed(1))]
+    g0 = _unique_graphs()
+    for n in lengths:  # warm-up pass: compiles each new bucket once
+        attention.focus_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], c, cfg)
+    g1 = _unique_graphs()
+    extra = [n - 7 for n in lengths if attention.bucket(n - 7, cfg.block_size) == attention.bucket(n, cfg.block_size)]
+    for n in reversed(lengths + extra):
+        attention.focus_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], c, cfg)
+    res.update({"lengths": lengths, "buckets": sorted({attention.bucket(n, cfg.block_size) for n in lengths}),
+                "compiles_in_warmup": g1 - g0, "recompiles_after_warmup": _unique_graphs() - g1})
+    return res
+
+
+def _worker_main(argv: list[str]) -> int:
+    spec = json.loads(argv[0])
+    task = {"op": _op_worker, "prefill": _prefill_worker, "decode": _decode_worker, "compile": _compile_worker}
+    if spec["task"] == "compile" and not os.environ.get("FOCUS_BENCH_WARM"):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="focus-bench-inductor-")  # cold cache
+    result = task[spec["task"]](spec)
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+# ---- reporting -----------------------------------------------------------------------------------
+
+
+def _op_row(r: dict[str, Any]) -> dict[str, Any]:
+    t = r["times"]
+    f, s = t["focus"]["min"], t["sdpa"]["min"]
+    ideal = 1 / r["density"]["total"]
+    row = {"dtype": r["dtype"], "n": r["n"], "focus": f, "sdpa": s, "speedup": s / f, "ideal": ideal,
+           "fraction": s / f / ideal, "plan": r["plan"]["min"], "plan_share": r["plan"]["min"] / f,
+           "window": t["window"]["min"], "density": r["density"], "first_call": r["first_call_s"]}
+    if "flex_causal" in t:
+        row["flex_causal"] = t["flex_causal"]["min"]
+    return row
+
+
+def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, each with the measured value and whether it is met."""
+    out = []
+
+    def add(name: str, value: float, target: float, higher: bool = True) -> None:
+        out.append({"target": name, "value": value, "goal": target,
+                    "met": value >= target if higher else value <= target})
+
+    rows = [_op_row(r) for r in results.get("op", [])]
+    for row in rows:
+        tag = f"{row['dtype']} N={row['n']}"
+        if row["n"] >= 32768:
+            add(f"attention op >= {TARGETS['op_speedup_32k']:g}x SDPA ({tag})", row["speedup"],
+                TARGETS["op_speedup_32k"])
+        if row["n"] >= 16384:
+            add(f"attention op >= 80% of ideal ({tag})", row["fraction"], TARGETS["ideal_fraction"])
+        add(f"routing + masks <= 10% of Focus ({tag})", row["plan_share"], TARGETS["plan_share"], higher=False)
+    for r in results.get("prefill", []):
+        if r["n"] >= 16384:
+            add(f"prefill >= 2x SDPA (N={r['n']})", r["sdpa"]["min"] / r["focus"]["min"], TARGETS["prefill_16k"])
+    for r in results.get("decode", []):
+        if r["n"] >= 32768:
+            add(f"decode >= 3x SDPA (cache={r['n']})", r["focus"]["tokens_per_s"] / r["sdpa"]["tokens_per_s"],
+                TARGETS["decode_32k"])
+    if "memory" in results.get("sections", SECTIONS):
+        for name, focus, sdpa in _memory_rows(results):
+            add(f"peak RSS <= SDPA's ({name})", focus / sdpa, 1.0, higher=False)
+    return out
+
+
+def _memory_rows(results: dict[str, Any]) -> list[tuple[str, float, float]]:
+    rows = [(f"op {r['dtype']} N={r['n']}", r["times"]["focus"]["peak_rss_mb"], r["times"]["sdpa"]["peak_rss_mb"])
+            for r in results.get("op", [])]
+    rows += [(f"prefill N={r['n']}", r["focus"]["peak_rss_mb"], r["sdpa"]["peak_rss_mb"])
+             for r in results.get("prefill", [])]
+    rows += [(f"decode cache={r['n']}", r["focus"]["peak_rss_mb"], r["sdpa"]["peak_rss_mb"])
+             for r in results.get("decode", [])]
+    return rows
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:,.0f}" if x >= 0.01 else f"{x * 1e3:.2f}"
+
+
+def to_markdown(results: dict[str, Any]) -> str:
+    """The report: header, one table per section, targets."""
+    m, f = results["machine"], results["focus"]
+    lines = [f"# focus-flex bench — {m['date']}", "",
+             f"{m['cpu']}, {m['cores']} cores ({m['threads']} threads), torch {m['torch']}, "
+             f"transformers {m['transformers']}, load average at start {m['load_average']:.1f}.  ",
+             f"Focus: G={f['num_groups']}, top-k {f['query_top_k']}, window {f['window']}, {f['sink_tokens']} sinks, "
+             f"block {f['block_size']}. Times are min over repeats (median in JSON); ratios are baseline / Focus, "
+             f"measured side by side in the same process.", ""]
+    if results.get("command"):
+        lines += [f"Command: `{results['command']}`", ""]
+    worst = max(c["max_abs_diff"] / c["tolerance"] for c in results["correctness"])
+    lines += [f"Correctness (checked in this run before timing): worst |fast - reference| = {worst:.2g} of the "
+              "tolerance (1e-4 fp32, 2e-2 bf16).", ""]
+    if results.get("op"):
+        lines += ["## Attention op (one SmolLM2 layer: 9 query / 3 KV heads, head dim 64, balanced routing)", "",
+                  "| dtype | N | Focus ms | SDPA ms | x SDPA | flex causal ms | x flex | window-only ms | "
+                  "block density (local+far) | ideal x | % of ideal | routing+masks ms (% of Focus) | first call s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for row in map(_op_row, results["op"]):
+            d, fc = row["density"], row.get("flex_causal")
+            flex = f"{_ms(fc)} | {fc / row['focus']:.2f}" if fc else "- | -"
+            lines.append(f"| {row['dtype']} | {row['n']} | {_ms(row['focus'])} | {_ms(row['sdpa'])} | "
+                         f"{row['speedup']:.2f} | {flex} | {_ms(row['window'])} | "
+                         f"{d['local']:.3f}+{d['far']:.3f}={d['total']:.3f} | {row['ideal']:.1f} | "
+                         f"{row['fraction']:.0%} | {_ms(row['plan'])} ({row['plan_share']:.0%}) | "
+                         f"{row['first_call']:.1f} |")
+        lines.append("")
+    if results.get("prefill"):
+        lines += ["## Prefill (SmolLM2-135M end to end, `logits_to_keep=1`)", "",
+                  "| N | dtype | adapter | Focus s | SDPA s | x SDPA | real-routing block density | compile s |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in results["prefill"]:
+            lines.append(f"| {r['n']} | {r['model_dtype']} | {Path(r['adapter']).name} | {r['focus']['min']:.1f} | "
+                         f"{r['sdpa']['min']:.1f} | {r['sdpa']['min'] / r['focus']['min']:.2f} | "
+                         f"{r['density']:.3f} | {r['compile_s']:.1f} |")
+        lines.append("")
+    if results.get("decode"):
+        lines += ["## Decode (tokens/s, KV cache of N tokens, preallocated cache for both)", "",
+                  "| cache N | dtype | Focus tok/s | SDPA tok/s | x SDPA |", "|---|---|---|---|---|"]
+        for r in results["decode"]:
+            lines.append(f"| {r['n']} | {r['model_dtype']} | {r['focus']['tokens_per_s']:.2f} | "
+                         f"{r['sdpa']['tokens_per_s']:.2f} | "
+                         f"{r['focus']['tokens_per_s'] / r['sdpa']['tokens_per_s']:.2f} |")
+        lines.append("")
+    if "memory" in results.get("sections", SECTIONS) and _memory_rows(results):
+        lines += ["## Peak RSS (MB, process high-water mark during the first timed call)", "",
+                  "| measurement | Focus | SDPA | Focus / SDPA |", "|---|---|---|---|"]
+        lines += [f"| {name} | {fo:,.0f} | {sd:,.0f} | {fo / sd:.2f} |" for name, fo, sd in _memory_rows(results)]
+        lines.append("")
+    if results.get("compile"):
+        c = results["compile"]
+        lines += ["## Compilation", "",
+                  f"First call at N=4096 ({c['dtype']}, cold inductor cache): {c['first_call_s']:.1f} s "
+                  f"(steady call {c['steady_call_s']:.2f} s). Ten random lengths in 1025..4096 compiled "
+                  f"{c['compiles_in_warmup']} graph(s) for padded lengths {c['buckets']}; replaying them and other "
+                  f"lengths in the same buckets afterwards: **{c['recompiles_after_warmup']} recompiles**.", ""]
+    if results.get("targets"):
+        lines += ["## Targets", "", "| target | measured | goal | met |", "|---|---|---|---|"]
+        for t in results["targets"]:
+            lines.append(f"| {t['target']} | {t['value']:.2f} | {t['goal']:g} | {'yes' if t['met'] else 'NO'} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: str | os.PathLike) -> None:
+    """Time against length, log-log: one panel per op dtype (+ prefill)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(d, [r for r in results.get("op", []) if r["dtype"] == d])
+              for d in dict.fromkeys(r["dtype"] for r in results.get("op", []))]
+    if results.get("prefill"):
+        panels.append(("prefill", results["prefill"]))
+    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(5.5 * max(len(panels), 1), 4.2), squeeze=False)
+    for ax, (name, rows) in zip(axes[0], panels, strict=False):
+        ns = [r["n"] for r in rows]
+        labels = {"focus": "Focus", "sdpa": "SDPA causal", "window": "window only", "flex_causal": "flex causal"}
+        for key, label in labels.items():
+            pts = [(r["n"], (r if name == "prefill" else r["times"])[key]["min"]) for r in rows
+                   if key in (r if name == "prefill" else r["times"])]
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=label)
+        ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="seconds",
+               title=f"attention op, {name}" if name != "prefill" else "SmolLM2 prefill")
+        ax.set_xticks(ns, [f"{n // 1024}K" for n in ns])
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"focus-flex bench {results['machine']['date']}: {results['machine']['cores']} cores, "
+                 f"torch {results['machine']['torch']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m focus_flex.bench [args]`` (the same as ``focus-flex bench``)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_worker"]:
+        return _worker_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="focus_flex.bench")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_bench_command(sub)
+    args = parser.parse_args(["bench", *argv])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

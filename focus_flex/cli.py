@@ -1,0 +1,317 @@
+"""The ``focus-flex`` command: ``retrofit`` (train + evaluate + save), ``eval``, and the Hub's ``push``/``pull``.
+
+    focus-flex retrofit                          # SmolLM2-135M-Instruct + shipped books, ~20 min on 2 CPU cores
+    focus-flex retrofit --model org/llm --data my_texts/ --eval-data held_out/ --context 2048
+    focus-flex eval runs/retrofit-SmolLM2-135M-Instruct/adapter
+    torchrun --nproc-per-node 2 -m focus_flex.cli retrofit --batch-size 2   # data parallel (also accelerate launch)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from focus_flex.config import FocusConfig
+from focus_flex.evaluate import MODES, PLOT_PNG, results_markdown, save_results
+from focus_flex.train import TrainConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_FOCUS = FocusConfig(num_groups=16, query_top_k=1, key_top_k=1, window=256, sink_tokens=4, tau=0.05)
+DEFAULT_TRAIN = TrainConfig()
+
+
+class CliError(Exception):
+    """A user-facing error: printed as ``error: ...``, exit code 2."""
+
+
+# ---- shared pieces ---------------------------------------------------------------------------------
+
+
+def _load_model(name: str | None, revision: str | None, dtype: str, device: str) -> tuple[Any, Any]:
+    from focus_flex.models import load_model
+
+    try:
+        model, tokenizer = load_model(name, dtype=DTYPES[dtype], revision=revision)
+    except (OSError, ValueError) as e:
+        raise CliError(f"cannot load model {name or 'default'!r}: {e}") from e
+    return model.to(device), tokenizer
+
+
+def _check_context(model: Any, length: int, what: str) -> None:
+    from focus_flex.models import max_context
+
+    limit = max_context(model)
+    if length > limit:
+        raise CliError(f"{what}={length} is longer than the {limit} tokens {model.name_or_path!r} supports "
+                       f"(config.max_position_embeddings); choose {what} <= {limit}.")
+
+
+def _documents(source: str | None, split: str, role: str) -> list[str]:
+    from focus_flex.data import load_documents
+
+    try:
+        return load_documents(source, split)
+    except (OSError, ValueError) as e:  # FileNotFoundError and PermissionError are OSErrors
+        raise CliError(f"cannot read the {role} data {source or '(shipped corpus)'!r}: {e}") from e
+
+
+def _windows(docs: list[str], tokenizer: Any, length: int, max_windows: int | None, role: str) -> torch.Tensor:
+    from focus_flex.data import token_windows
+
+    try:
+        return token_windows(docs, tokenizer, length, max_windows=max_windows)
+    except ValueError as e:
+        raise CliError(f"{role} data: {e}") from e
+
+
+def _eval_source(args: argparse.Namespace) -> tuple[str | None, str]:
+    """Held-out documents: ``--eval-data`` if given, else the evaluation split of ``--data``."""
+    from focus_flex.data import _is_path
+
+    if args.eval_data is not None:
+        return args.eval_data, args.eval_split or "eval"
+    if args.data is not None and _is_path(args.data):
+        raise CliError(f"--data {args.data!r} is a local path and has no held-out split: pass --eval-data with "
+                       f"other files (whole documents never seen in training).")
+    return args.data, args.eval_split or ("eval" if args.data is None else "validation")
+
+
+def _device(name: str) -> str:
+    if name != "auto":
+        return name
+    if torch.cuda.is_available():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    return "cpu"
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name.rstrip("/").split("/")[-1]) or "model"
+
+
+def _protocol(n_windows: int, context: int, source: str | None, split: str, dtype: str) -> str:
+    where = "the shipped held-out books (split `eval`)" if source is None else f"`{source}` (split `{split}`)"
+    return (f"Perplexity over {n_windows} non-overlapping windows of {context} tokens from {where}, evenly spaced, "
+            f"each scored from its first token (chunked); {dtype}. Density: fraction of causal query-key pairs "
+            f"computed in the Focus layers; balance: largest / mean key group.")
+
+
+def _evaluate_and_save(model: Any, adapter: Any, windows: torch.Tensor, args: argparse.Namespace, directory: str,
+                       protocol: str, meta: dict[str, Any], command: str) -> list:
+    from focus_flex.evaluate import evaluate
+    from focus_flex.hub import model_card
+
+    results = evaluate(model, adapter, windows, modes=tuple(args.modes), progress=not args.no_progress)
+    title = f"{adapter.config.base_model or 'model'}, context {windows.shape[1]}"
+    markdown = results_markdown(results, protocol) + f"\n![perplexity against density]({PLOT_PNG})\n"
+    adapter.config.extra.update({
+        "results": {r.mode: {"perplexity": round(r.perplexity, 4), "density": round(r.density, 4)} for r in results},
+        "results_markdown": markdown, "command": command})
+    adapter.save_pretrained(directory)
+    save_results(directory, results, meta, protocol, title)
+    with open(os.path.join(directory, "README.md"), "w", encoding="utf-8") as f:
+        f.write(model_card(adapter.config.to_dict(), repo_id=None, results_markdown=markdown, command=command))
+    print(markdown)
+    return results
+
+
+# ---- retrofit ---------------------------------------------------------------------------------------
+
+
+def cmd_retrofit(args: argparse.Namespace) -> int:
+    from focus_flex.adapter import FocusAdapter
+    from focus_flex.train import init_distributed, model_checksum, seed_everything, train
+
+    t_start = time.perf_counter()
+    rank, world = init_distributed()
+    seed_everything(args.seed)
+    focus = FocusConfig(num_groups=args.groups, query_top_k=args.query_top_k, key_top_k=args.key_top_k,
+                        window=args.window, sink_tokens=args.sinks, tau=args.tau, layers=args.layers)
+    tc = TrainConfig(objective=args.objective, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                     lr=args.lr, warmup=args.warmup, balance_weight=args.balance_weight,
+                     query_samples=args.query_samples, init=args.init, seed=args.seed, eval_every=args.eval_every,
+                     checkpoint_every=args.checkpoint_every)
+    eval_source, eval_split = _eval_source(args)
+    model, tokenizer = _load_model(args.model, args.revision, args.dtype, _device(args.device))
+    _check_context(model, args.seq_len, "--seq-len")
+    _check_context(model, args.context, "--context")
+    train_windows = _windows(_documents(args.data, args.train_split, "training"), tokenizer, args.seq_len, None,
+                             "training")
+    eval_windows = None
+    if args.modes and rank == 0:
+        eval_windows = _windows(_documents(eval_source, eval_split, "evaluation"), tokenizer, args.context,
+                                args.eval_windows, "evaluation")
+    # One training window, evenly placed, is held out of training for the dev metrics (same books).
+    dev = len(train_windows) // 2 if len(train_windows) > 1 else None
+    dev_windows = train_windows[dev:dev + 1] if dev is not None else None
+    if dev is not None:
+        train_windows = torch.cat([train_windows[:dev], train_windows[dev + 1:]])
+
+    try:
+        adapter = FocusAdapter.for_model(model, focus, seed=args.seed)
+    except ValueError as e:
+        raise CliError(str(e)) from e
+    adapter.config.base_model_revision = args.revision
+    out = args.output_dir or os.path.join("runs", f"retrofit-{_slug(adapter.config.base_model or 'model')}")
+    before = model_checksum(model)
+    t_train = time.perf_counter()
+    history = train(model, adapter, train_windows, tc, dev_windows=dev_windows, output_dir=out,
+                    resume=(out if args.resume is True else args.resume) or None, progress=not args.no_progress,
+                    log=print)
+    train_seconds = time.perf_counter() - t_train
+    after = model_checksum(model)
+    if before != after:  # cannot happen: nothing but the centroids is ever updated
+        raise RuntimeError("the base model changed during training")
+    if rank != 0:
+        return 0
+    command = "focus-flex " + shlex.join(args.argv)
+    adapter.config.extra["training"] = {**asdict(tc), "train_windows": len(train_windows),
+                                        "train_seconds": round(train_seconds, 1), "world_size": world,
+                                        "base_model_sha256": after, "base_model_unchanged": True,
+                                        "dev": history[-1].get("dev") if history else None}
+    directory = os.path.join(out, "adapter")
+    meta: dict[str, Any] = {"command": command, "focus_config": adapter.config.to_dict(), "history": history}
+    if eval_windows is not None:
+        protocol = _protocol(len(eval_windows), args.context, eval_source, eval_split, args.dtype)
+        _evaluate_and_save(model, adapter, eval_windows, args, directory, protocol, meta, command)
+    else:
+        adapter.save_pretrained(directory)
+    total = time.perf_counter() - t_start
+    adapter.config.extra["training"]["total_seconds"] = round(total, 1)
+    adapter.config.save_pretrained(directory)
+    print(f"adapter: {directory}  (training {train_seconds:.0f} s, total {total:.0f} s; base model unchanged, "
+          f"sha256 {after[:12]})")
+    return 0
+
+
+# ---- eval -------------------------------------------------------------------------------------------
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from focus_flex.adapter import FocusAdapter
+
+    try:
+        adapter = FocusAdapter.from_pretrained(args.adapter)
+    except (OSError, ValueError) as e:
+        raise CliError(f"cannot load adapter {args.adapter!r}: {e}") from e
+    eval_source, eval_split = _eval_source(args)
+    name = args.model or adapter.config.base_model
+    model, tokenizer = _load_model(name, args.revision or adapter.config.base_model_revision, args.dtype,
+                                   _device(args.device))
+    _check_context(model, args.context, "--context")
+    windows = _windows(_documents(eval_source, eval_split, "evaluation"), tokenizer, args.context,
+                       args.eval_windows, "evaluation")
+    try:
+        adapter.check_compatible(model)
+    except ValueError as e:
+        raise CliError(str(e)) from e
+    out = args.output_dir or os.path.join("runs", f"eval-{_slug(os.path.abspath(args.adapter))}")
+    command = "focus-flex " + shlex.join(args.argv)
+    protocol = _protocol(len(windows), args.context, eval_source, eval_split, args.dtype)
+    _evaluate_and_save(model, adapter, windows, args, out, protocol, {"command": command,
+                       "adapter": args.adapter, "focus_config": adapter.config.to_dict()}, command)
+    print(f"results: {out}")
+    return 0
+
+
+# ---- parser -----------------------------------------------------------------------------------------
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default=None, help="Hub id or local folder (default: SmolLM2-135M-Instruct, embedded)")
+    g.add_argument("--revision", default=None, help="revision of the base model")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    g.add_argument("--data", default=None,
+                   help="training text: a datasets name, a text file, a folder of *.txt or a glob "
+                        "(default: the shipped public-domain books)")
+    g.add_argument("--eval-data", default=None,
+                   help="held-out text, same forms as --data (default: the evaluation split of --data)")
+    g.add_argument("--eval-split", default=None,
+                   help="split of the evaluation data (default: 'eval' for the shipped books, else 'validation')")
+    g.add_argument("--context", type=int, default=4096, help="evaluation context length in tokens")
+    g.add_argument("--eval-windows", type=int, default=4, help="evaluation windows (evenly spaced, fixed)")
+    g.add_argument("--modes", nargs="*", choices=MODES, default=list(MODES),
+                   help="what to evaluate (default: all five; none: skip evaluation)")
+    g.add_argument("--output-dir", default=None)
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="focus-flex", description="Focus sparse attention adapters: train, "
+                                     "evaluate and share learned-centroid routing for frozen transformers.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("retrofit", help="train centroids on a frozen model, evaluate, save the adapter",
+                       description="Train only the centroids of a Focus adapter on a frozen model, evaluate "
+                                   "perplexity against full attention and equal-density baselines, and save the "
+                                   "adapter with its results, model card and plot into OUTPUT_DIR/adapter.")
+    _add_common(r)
+    f = r.add_argument_group("Focus")
+    d = DEFAULT_FOCUS
+    f.add_argument("--groups", type=int, default=d.num_groups, help="centroids (groups) per KV head")
+    f.add_argument("--query-top-k", type=int, default=d.query_top_k)
+    f.add_argument("--key-top-k", type=int, default=d.key_top_k)
+    f.add_argument("--window", type=int, default=d.window, help="sliding window (tokens)")
+    f.add_argument("--sinks", type=int, default=d.sink_tokens, help="attention sink tokens")
+    f.add_argument("--tau", type=float, default=d.tau, help="routing temperature (soft path sharpness)")
+    f.add_argument("--layers", type=int, nargs="+", default=None, help="Focus layers (default: all full-attention)")
+    t = r.add_argument_group("training")
+    c = DEFAULT_TRAIN
+    t.add_argument("--objective", choices=["distill", "lm"], default=c.objective)
+    t.add_argument("--steps", type=int, default=c.steps)
+    t.add_argument("--batch-size", type=int, default=c.batch_size, help="global sequences per step")
+    t.add_argument("--seq-len", type=int, default=c.seq_len, help="training sequence length")
+    t.add_argument("--lr", type=float, default=c.lr)
+    t.add_argument("--warmup", type=int, default=c.warmup)
+    t.add_argument("--balance-weight", type=float, default=c.balance_weight)
+    t.add_argument("--query-samples", type=int, default=c.query_samples, help="distill: attention rows per layer")
+    t.add_argument("--init", choices=["kmeans", "random"], default=c.init)
+    t.add_argument("--seed", type=int, default=c.seed)
+    t.add_argument("--eval-every", type=int, default=c.eval_every, help="dev metrics every N steps")
+    t.add_argument("--checkpoint-every", type=int, default=c.checkpoint_every)
+    t.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
+                   help="resume from the latest checkpoint in OUTPUT_DIR (or from CHECKPOINT)")
+    t.add_argument("--train-split", default="train")
+    r.set_defaults(func=cmd_retrofit)
+
+    e = sub.add_parser("eval", help="evaluate a saved adapter", description="Perplexity / density / balance of "
+                       "ADAPTER (folder or Hub id) against full attention and equal-density baselines.")
+    e.add_argument("adapter", metavar="ADAPTER")
+    _add_common(e)
+    e.set_defaults(func=cmd_eval)
+
+    from focus_flex.bench import add_bench_command
+    from focus_flex.hub import add_hub_commands
+
+    add_hub_commands(sub)
+    add_bench_command(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    try:
+        return args.func(args)
+    except CliError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""`focus-flex bench`: a tiny real run writes its report, and a wrong kernel is refused before anything is timed."""
+
+import argparse
+import json
+
+import pytest
+
+from focus_flex import attention, bench
+
+
+def test_tiny_run_writes_json_markdown_and_plot(tmp_path):
+    res = bench.run_bench(lengths=[512], dtypes=["float32"], repeats=1, sections=["op", "memory"],
+                          output_dir=tmp_path, flex_causal_max=512, max_seconds=5, log=lambda msg: None)
+    assert {c["dtype"] for c in res["correctness"]} == {"float32", "bfloat16"}
+    assert all(c["max_abs_diff"] <= c["tolerance"] for c in res["correctness"])
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    (op,) = saved["op"]
+    assert op["n"] == 512 and set(op["times"]) == {"focus", "sdpa", "window", "flex_causal"}
+    assert op["times"]["focus"]["min"] > 0 and op["times"]["sdpa"]["peak_rss_mb"] > 0
+    assert 0 < op["density"]["total"] <= 2 and op["recompiles_after_warmup"] == 0
+    md = (tmp_path / "bench.md").read_text()
+    assert "## Attention op" in md and "## Peak RSS" in md and "## Targets" in md and "| float32 | 512 |" in md
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_wrong_kernel_is_refused(monkeypatch, tmp_path):
+    """A fast path that forgets the attention sinks would be faster; the bench must not report it."""
+    real = attention.focus_attention
+
+    def no_sinks(q, k, v, centroids, config, **kw):
+        import dataclasses
+
+        return real(q, k, v, centroids, dataclasses.replace(config, sink_tokens=0), **kw)
+
+    monkeypatch.setattr(attention, "focus_attention", no_sinks)
+    with pytest.raises(bench.BenchError, match="wrong"):
+        bench.run_bench(lengths=[512], dtypes=["float32"], repeats=1, sections=["op"], output_dir=tmp_path,
+                        log=lambda msg: None)
+    assert not (tmp_path / "bench.json").exists()
+
+
+def test_cli_flags():
+    parser = argparse.ArgumentParser()
+    bench.add_bench_command(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--lengths", "4k,8192", "--sections", "op,compile", "--dtypes", "bfloat16"])
+    assert args.lengths == [4096, 8192] and args.sections == ["op", "compile"] and args.dtypes == ["bfloat16"]
+    assert callable(args.func)
+    with pytest.raises(bench.BenchError, match="unknown sections"):
+        bench.run_bench(sections=["op", "nope"], output_dir="unused")
+
+
+def test_targets_report_met_and_missed():
+    op = {"dtype": "float32", "n": 32768, "first_call_s": 1.0, "density": {"local": 0.03, "far": 0.07, "total": 0.1},
+          "plan": {"min": 0.25}, "times": {"focus": {"min": 2.0, "peak_rss_mb": 900.0},
+                                          "sdpa": {"min": 20.0, "peak_rss_mb": 1000.0}, "window": {"min": 0.5}}}
+    targets = {t["target"]: t for t in bench.evaluate_targets({"op": [op], "sections": ["op", "memory"]})}
+    assert targets["attention op >= 8x SDPA (float32 N=32768)"]["met"]  # 10x
+    assert targets["attention op >= 80% of ideal (float32 N=32768)"]["value"] == pytest.approx(1.0)
+    assert not targets["routing + masks <= 10% of Focus (float32 N=32768)"]["met"]  # 12.5%
+    assert targets["peak RSS <= SDPA's (op float32 N=32768)"]["met"]
