@@ -1,0 +1,275 @@
+"""Evaluating Focus adapters: perplexity against the fraction of attention computed.
+
+Protocol (used by ``focus-flex retrofit`` and ``focus-flex eval``):
+
+* **Windows.** Held-out documents (for the shipped corpus: the ``eval`` books, never used in training)
+  are cut into non-overlapping windows of exactly ``context`` tokens inside one document
+  (:func:`focus_flex.data.token_windows`); ``max_windows`` keeps an evenly spaced, fixed subset.
+* **Perplexity.** Every window is scored on its own from its first token (chunked, not sliding):
+  ``ppl = exp(sum of next-token NLL / number of predicted tokens)`` over all windows, each window
+  predicting its tokens 2..context. Every mode sees the same windows.
+* **Modes.** ``full``: the model's own attention. ``focus``: hard top-k routing, the inference path
+  (compiled FlexAttention). ``soft``: the soft-routing training path (dense). ``window``: window + sinks
+  only, the window widened until its density reaches ``focus``'s measured density. ``random``: untrained
+  random centroids with the same groups, top-k, window and sinks.
+* **Density**: the fraction of causal query-key pairs a mode computes, counted exactly from the hard
+  memberships of every Focus layer and query head (:func:`pattern_density`, O(N·G)), averaged over Focus
+  layers, heads and windows. ``full`` and ``soft`` (dense: every pair gets a score) count 1.0.
+  **Balance**: largest key group over the mean key group (1.0 = perfectly balanced,
+  :func:`routing.group_balance`), averaged the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from focus_flex import routing
+from focus_flex.adapter import FocusAdapter
+
+MODES = ("full", "focus", "soft", "window", "random")
+WINDOW_ONLY = "focus_window_only"  # transformers attention implementation of the window-only baseline
+RANDOM_SEED = 1234  # seed of the random-groups baseline's centroids
+RESULTS_JSON, RESULTS_MD, PLOT_PNG = "results.json", "results.md", "perplexity_vs_density.png"
+
+
+# ---- densities -----------------------------------------------------------------------------------
+
+
+def window_pairs(n: int, window: int, sinks: int) -> int:
+    """Causal pairs ``(i, j)``, ``j <= i < n``, with ``i - j < window or j < sinks``."""
+    w = min(window, n)
+    band = w * n - w * (w - 1) // 2
+    return band + sum(max(0, n - j - w) for j in range(min(sinks, n)))
+
+
+def window_density(n: int, window: int, sinks: int) -> float:
+    """Fraction of the ``n (n + 1) / 2`` causal pairs that window + sinks attention computes."""
+    return window_pairs(n, window, sinks) / (n * (n + 1) / 2)
+
+
+def matching_window(n: int, sinks: int, density: float) -> int:
+    """Smallest window whose window + sinks density over n tokens is at least ``density``."""
+    lo, hi = 1, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if window_density(n, mid, sinks) >= density else (mid + 1, hi)
+    return lo
+
+
+def pattern_density(q_member: torch.Tensor, k_member: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
+    """Exact density of the hard Focus pattern of one unpadded prefill, per query head ``[B, Hq]``.
+
+    q_member ``[B, Hq, N]`` and k_member ``[B, Hkv, N]`` are int64 group bitmasks (:func:`routing.hard_membership`).
+    Allowed pairs = window/sink pairs + far pairs (``sinks <= j <= i - window``) sharing a group, counted
+    with per-key-bitmask prefix sums: O(N·U) for U distinct key bitmasks (U <= G when key_top_k = 1).
+    """
+    b, hq, n = q_member.shape
+    rep = hq // k_member.shape[1]
+    last = torch.arange(n, device=q_member.device) - window  # far keys of query i: sinks <= j <= i - window
+    out = torch.empty(b, hq, dtype=torch.float64)
+    for bi in range(b):
+        for h in range(k_member.shape[1]):
+            values, inverse = torch.unique(k_member[bi, h], return_inverse=True)
+            prefix = F.one_hot(inverse, len(values)).cumsum(0)  # [N, U]: keys j <= t with each bitmask
+            upto = torch.where((last >= 0)[:, None], prefix[last.clamp_min(0)], 0)
+            before = prefix[sinks - 1] if 0 < sinks <= n else torch.zeros_like(prefix[0])
+            count = (upto - before).clamp_min(0)  # [N, U]: far keys of query i with each bitmask
+            for hh in range(h * rep, (h + 1) * rep):
+                hit = (q_member[bi, hh][:, None] & values[None, :]) != 0
+                out[bi, hh] = float((count * hit).sum())
+    return (out + window_pairs(n, window, sinks)) / (n * (n + 1) / 2)
+
+
+# ---- the window-only baseline --------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def window_only(model: nn.Module, window: int, sinks: int, layers: list[int] | None = None) -> Iterator[None]:
+    """While active, ``layers`` (default: all) attend only to the last ``window`` tokens and the first ``sinks``
+    (SDPA with a dense bool mask; positions are indices, so inputs must not be left-padded)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if layers is None or module.layer_idx in layers:
+            lq, lk = query.shape[2], key.shape[2]
+            i = torch.arange(lk - lq, lk, device=query.device)[:, None]
+            j = torch.arange(lk, device=query.device)[None, :]
+            mask = (j <= i) & ((i - j < window) | (j < sinks))
+            attention_mask = mask if attention_mask is None else attention_mask & mask
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+
+    AttentionInterface.register(WINDOW_ONLY, attention)
+    AttentionMaskInterface.register(WINDOW_ONLY, lambda **kw: sdpa_mask(**{**kw, "allow_is_causal_skip": False}))
+    original = model.config._attn_implementation
+    model.set_attn_implementation(WINDOW_ONLY)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(original)
+
+
+# ---- perplexity ----------------------------------------------------------------------------------
+
+
+@dataclass
+class ModeResult:
+    """One row of the results table."""
+
+    mode: str
+    perplexity: float
+    nll: float  # mean next-token negative log-likelihood (nats)
+    tokens: int  # predicted tokens
+    density: float  # fraction of causal pairs computed
+    balance: float | None  # largest / mean key group (None: no groups)
+    seconds: float
+    note: str = ""
+
+
+class RoutingMeter:
+    """Forward hook on an adapter: density and key-group balance of every Focus layer it runs."""
+
+    def __init__(self, adapter: FocusAdapter):
+        self.adapter, self.density, self.balance = adapter, [], []
+        self.handle = adapter.register_forward_hook(self)
+
+    @torch.no_grad()
+    def __call__(self, adapter: FocusAdapter, args: tuple, output: Any) -> None:
+        _, slot, query, key = args[:4]
+        c, cfg = adapter.centroids[slot].detach(), adapter.config
+        qm = routing.hard_membership(query, c, cfg.tau, cfg.query_top_k)
+        km = routing.hard_membership(key, c, cfg.tau, cfg.key_top_k)
+        self.density.append(pattern_density(qm, km, cfg.window, cfg.sink_tokens).mean().item())
+        self.balance.append(routing.group_balance(km, cfg.num_groups).mean().item())
+
+    def close(self) -> tuple[float, float]:
+        self.handle.remove()
+        return sum(self.density) / len(self.density), sum(self.balance) / len(self.balance)
+
+
+@torch.no_grad()
+def window_nll(model: nn.Module, windows: torch.Tensor, *, desc: str = "", progress: bool = False) -> tuple[float, int]:
+    """Summed next-token NLL and number of predicted tokens over ``windows [N, L]`` (one forward each)."""
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for x in tqdm(windows, desc=desc, disable=not progress, leave=False):
+        x = x[None].to(device)
+        logits = model(input_ids=x, use_cache=False).logits[0, :-1].float()
+        total += F.cross_entropy(logits, x[0, 1:], reduction="sum").item()
+        count += x.shape[1] - 1
+    return total, count
+
+
+def evaluate(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, *, modes: tuple[str, ...] = MODES,
+             progress: bool = True) -> list[ModeResult]:
+    """Perplexity, density and balance of ``modes`` on ``windows [N, L]`` (module docstring for the protocol).
+
+    ``adapter`` must not be attached. ``window`` needs ``focus`` (it matches focus's measured density).
+    """
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown or ("window" in modes and "focus" not in modes):
+        raise ValueError(f"modes {modes}: choose from {MODES}; 'window' needs 'focus' (it matches its density)")
+    cfg, n = adapter.config, windows.shape[1]
+    results: dict[str, ModeResult] = {}
+
+    def run(mode: str, density: float | None, balance: float | None, note: str = "", focus: FocusAdapter | None = None,
+            fast: str = "fast") -> None:
+        t0 = time.perf_counter()
+        meter = None
+        if focus is not None:
+            focus.mode = fast
+            focus.attach(model)
+            meter = RoutingMeter(focus)
+        try:
+            total, count = window_nll(model, windows, desc=mode, progress=progress)
+        finally:
+            if focus is not None:
+                focus.detach(model)
+                focus.mode = "fast"
+        if meter is not None:
+            measured, balance = meter.close()
+            density = measured if density is None else density
+        results[mode] = ModeResult(mode, math.exp(total / count), total / count, count, float(density), balance,
+                                   time.perf_counter() - t0, note)
+
+    for mode in [m for m in MODES if m in modes]:
+        if mode == "full":
+            run("full", 1.0, None, "the model's own attention")
+        elif mode == "focus":
+            run("focus", None, None, f"hard top-{cfg.query_top_k} routing, compiled FlexAttention", adapter)
+        elif mode == "soft":
+            run("soft", 1.0, None, "soft routing (training path), dense", adapter, fast="soft")
+        elif mode == "window":
+            w = matching_window(n, cfg.sink_tokens, results["focus"].density)
+            with window_only(model, w, cfg.sink_tokens, cfg.layers):
+                run("window", window_density(n, w, cfg.sink_tokens), None, f"window {w} + {cfg.sink_tokens} sinks")
+        else:
+            rnd = FocusAdapter(cfg, seed=RANDOM_SEED).to(next(model.parameters()).device)
+            run("random", None, None, f"untrained random centroids (seed {RANDOM_SEED})", rnd)
+    return list(results.values())
+
+
+# ---- reporting -----------------------------------------------------------------------------------
+
+
+def results_markdown(results: list[ModeResult], protocol: str = "") -> str:
+    """A markdown table: perplexity, change against ``full``, density and balance of every mode."""
+    full = next((r for r in results if r.mode == "full"), None)
+    lines = ["| mode | perplexity | vs full | density | balance | note |", "|---|---|---|---|---|---|"]
+    for r in results:
+        delta = f"{100 * (r.perplexity / full.perplexity - 1):+.2f}%" if full else "-"
+        bal = f"{r.balance:.2f}" if r.balance is not None else "-"
+        lines.append(f"| {r.mode} | {r.perplexity:.3f} | {delta} | {100 * r.density:.1f}% | {bal} | {r.note} |")
+    return "\n".join(lines) + ("\n\n" + protocol.strip() if protocol else "") + "\n"
+
+
+def plot_results(results: list[ModeResult], path: str, title: str = "") -> str:
+    """PNG of perplexity against density (one labelled point per mode; ``full`` as a dashed line)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    for r in results:
+        if r.mode == "full":
+            ax.axhline(r.perplexity, color="gray", ls="--", lw=1, label=f"full attention ({r.perplexity:.2f})")
+        ax.scatter(100 * r.density, r.perplexity, s=40, zorder=3)
+        ax.annotate(r.mode, (100 * r.density, r.perplexity), textcoords="offset points", xytext=(5, 4))
+    ax.set_xlabel("density: % of causal query-key pairs computed")
+    ax.set_ylabel("perplexity (held-out)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def save_results(directory: str, results: list[ModeResult], meta: dict[str, Any], protocol: str,
+                 title: str = "") -> dict[str, str]:
+    """Write ``results.json``, ``results.md`` and the PNG plot into ``directory``; returns their paths."""
+    os.makedirs(directory, exist_ok=True)
+    paths = {name: os.path.join(directory, name) for name in (RESULTS_JSON, RESULTS_MD, PLOT_PNG)}
+    with open(paths[RESULTS_JSON], "w") as f:
+        json.dump({**meta, "protocol": protocol, "results": [asdict(r) for r in results]}, f, indent=2)
+        f.write("\n")
+    with open(paths[RESULTS_MD], "w") as f:
+        f.write(results_markdown(results, protocol))
+    plot_results(results, paths[PLOT_PNG], title)
+    return paths

@@ -1,0 +1,463 @@
+"""Training Focus centroids on a frozen model: only ``adapter.centroids`` ever change.
+
+Two objectives:
+
+* ``distill`` (layer-local, the CPU default). A frozen forward pass with the model's own attention
+  records every layer's post-RoPE queries and keys (:func:`capture_qk`); no gradient goes through the
+  model. For each layer, the full attention rows ``p_i`` of ``query_samples`` random queries are
+  recomputed and the centroids are fitted so that the Focus pattern keeps that attention:
+  ``kl_i = -log(sum_j p_ij m_ij)``, with ``m_ij = 1`` for window/sink pairs and, for far pairs, the soft
+  overlap ``sum_g a_ig b_jg`` of the query's soft top-k membership ``a`` (:func:`routing.soft_membership`)
+  and the key's soft group ``b`` (one unit of mass over groups). With hard routing ``kl_i`` is exactly
+  ``KL(Focus row || full row)``: the Focus row is the full row restricted to the pattern, renormalised.
+* ``lm`` (end to end, the paper's setup): the adapter runs in ``"soft"`` mode and the next-token loss is
+  back-propagated through the frozen model to the centroids (dense soft attention: keep ``seq_len`` ~1K
+  on CPU).
+
+Balance: both add ``balance_weight`` x the SwAV-style cross-entropy between the keys' routing
+probabilities and their Sinkhorn-balanced targets (:func:`routing.sinkhorn`). Key groups decide how many
+far pairs a query sees (k_q groups' worth of keys), so balanced key groups bound the density and no group
+swallows the sequence; queries are free to pick whichever groups hold the keys they attend to.
+
+Data parallelism: when ``torch.distributed`` is initialised (``torchrun``, ``accelerate launch``;
+:func:`init_distributed`), rank r takes sequences ``r, r + W, ...`` of each global batch, every sequence's
+loss is divided by the global batch size and centroid gradients are summed with ``all_reduce``, so W
+processes compute what one process computes on the whole batch. Batches are a pure function of
+``(seed, step)`` and the learning rate of ``step``, so a resumed run repeats an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from focus_flex import routing
+from focus_flex.adapter import FocusAdapter
+from focus_flex.config import FocusConfig
+
+CAPTURE = "focus_capture"  # transformers attention implementation that records q/k
+OBJECTIVES = ("distill", "lm")
+INITS = ("kmeans", "random")
+CHECKPOINT_DIR = "checkpoints"
+STATE_NAME = "trainer_state.pt"
+
+QK = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (q [B, Hq, L, D], k [B, Hkv, L, D])
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation settings (the Focus semantics live in :class:`FocusConfig`)."""
+
+    objective: str = "distill"
+    steps: int = 24
+    batch_size: int = 1  # global: sequences per optimizer step, split across ranks
+    seq_len: int = 2048
+    lr: float = 0.05
+    warmup: int = 2
+    balance_weight: float = 1.0
+    query_samples: int = 512  # distill: attention rows per sequence and layer
+    init: str = "kmeans"  # spherical k-means of the keys of the first sequence, or "random"
+    seed: int = 0
+    eval_every: int = 0  # dev metrics every N steps (0: at the end only)
+    checkpoint_every: int = 0  # checkpoint every N steps (0: at the end only, when an output dir is given)
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective={self.objective!r}; choose one of {OBJECTIVES}")
+        if self.init not in INITS:
+            raise ValueError(f"init={self.init!r}; choose one of {INITS}")
+        for name in ("steps", "batch_size", "seq_len", "query_samples"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be an int >= 1")
+        if self.lr <= 0 or self.balance_weight < 0 or self.warmup < 0:
+            raise ValueError("lr must be > 0, balance_weight and warmup >= 0")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+# ---- reproducibility, the frozen base model, distributed -----------------------------------------
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python and torch (every device)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def model_checksum(model: nn.Module) -> str:
+    """sha256 of every parameter and buffer of ``model`` (names, dtypes, shapes and bytes)."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def init_distributed() -> tuple[int, int]:
+    """Join the process group described by the environment (``torchrun``/``accelerate launch`` set
+    ``WORLD_SIZE`` etc.) if there is one and it is not joined yet; returns ``(rank, world_size)``."""
+    if dist.is_available() and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return rank_and_world()
+
+
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+# ---- capturing q/k -------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def capture_qk(model: nn.Module) -> Iterator[QK]:
+    """While active, forwards of ``model`` record ``{layer: (q [B, Hq, L, D], k [B, Hkv, L, D])}`` (post-RoPE).
+
+    The model's own attention still computes the outputs: a transformers attention implementation that
+    stores the tensors and delegates to ``sdpa_attention_forward``, with SDPA's mask builder.
+    """
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if any(getattr(m, "_focus", None) is not None for m in model.modules()):
+        raise RuntimeError("A Focus adapter is attached: detach it to capture the model's own attention.")
+    store: QK = {}
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        store[module.layer_idx] = (query.detach(), key.detach())
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+
+    AttentionInterface.register(CAPTURE, attention)
+    AttentionMaskInterface.register(CAPTURE, sdpa_mask)
+    original = model.config._attn_implementation
+    model.set_attn_implementation(CAPTURE)
+    try:
+        yield store
+    finally:
+        model.set_attn_implementation(original)
+
+
+@torch.no_grad()
+def teacher_qk(model: nn.Module, input_ids: torch.Tensor) -> QK:
+    """Post-RoPE q/k of every layer for ``input_ids [B, L]`` (the decoder only: no LM head)."""
+    with capture_qk(model) as store:
+        model.base_model(input_ids=input_ids.to(next(model.parameters()).device), use_cache=False)
+    return dict(store)
+
+
+# ---- centroid initialisation ---------------------------------------------------------------------
+
+
+def spherical_kmeans(x: torch.Tensor, k: int, iters: int, generator: torch.Generator) -> torch.Tensor:
+    """Unit centroids ``[k, D]`` of the directions of ``x [N, D]`` (k-means on the sphere, seeded from x)."""
+    x = F.normalize(x.float(), dim=-1)
+    c = x[torch.randperm(x.shape[0], generator=generator)[:k]].clone()
+    for _ in range(iters):
+        assign = (x @ c.T).argmax(-1)
+        summed = torch.zeros_like(c).index_add_(0, assign, x)
+        c = torch.where(summed.norm(dim=-1, keepdim=True) > 0, F.normalize(summed, dim=-1), c)
+    return c
+
+
+@torch.no_grad()
+def kmeans_init(adapter: FocusAdapter, qk: QK, seed: int, iters: int = 10) -> None:
+    """Set each layer's and KV head's centroids to spherical k-means centres of its keys (needs N >= G keys)."""
+    gen = torch.Generator().manual_seed(seed)
+    for layer, slot in adapter.slot.items():
+        k = qk[layer][1]
+        for h in range(k.shape[1]):
+            keys = k[:, h].reshape(-1, k.shape[-1]).cpu()
+            adapter.centroids[slot, h] = spherical_kmeans(keys, adapter.config.num_groups, iters, gen)
+
+
+# ---- losses --------------------------------------------------------------------------------------
+
+
+def balance_loss(s: torch.Tensor, iters: int) -> torch.Tensor:
+    """SwAV-style balance: cross-entropy of ``softmax(s)`` against Sinkhorn targets; s ``[..., N, G]``."""
+    target = routing.sinkhorn(s.detach(), max(iters, 1))
+    return -(target * s.float().log_softmax(-1)).sum(-1).mean()
+
+
+def _attention_rows(q: torch.Tensor, k: torch.Tensor, config: FocusConfig, query_idx: torch.Tensor,
+                    scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Full causal attention of the queries ``query_idx`` (fp32 ``[B, Hq, Q, L]``), with the bool masks
+    ``near`` (window or sink) and ``future`` (``[Q, L]`` each)."""
+    n, d = q.shape[2], q.shape[3]
+    scale = d ** -0.5 if scale is None else scale
+    kk = k.float().repeat_interleave(q.shape[1] // k.shape[1], 1)
+    pos = torch.arange(n, device=q.device)
+    gap = query_idx[:, None] - pos[None, :]
+    future = gap < 0
+    near = ~future & ((gap < config.window) | (pos[None, :] < config.sink_tokens))
+    logits = torch.einsum("bhqd,bhkd->bhqk", q[:, :, query_idx].float(), kk) * scale
+    return logits.masked_fill(future, float("-inf")).softmax(-1), near, future
+
+
+def distill_layer_loss(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, config: FocusConfig,
+                       query_idx: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer-local Focus objective of one layer: ``(kl, balance)`` scalars (module docstring).
+
+    q ``[B, Hq, L, D]``, k ``[B, Hkv, L, D]`` (post-RoPE, from the frozen model), centroids ``[Hkv, G, D]``,
+    query_idx ``[Q]``: the query positions whose attention rows enter ``kl`` (a mean over them).
+    """
+    with torch.no_grad():
+        p, near, future = _attention_rows(q, k, config, query_idx, scale)
+        p_near = (p * near).sum(-1)  # [B, Hq, Q]
+        p_far = p.masked_fill(near | future, 0.0)
+    s_k = routing.scores(k, centroids, config.tau)  # [B, Hkv, L, G]
+    a = routing.soft_membership(routing.scores(q[:, :, query_idx], centroids, config.tau), config.query_top_k)
+    b = routing.soft_membership(s_k, config.key_top_k)
+    b = (b / b.sum(-1, keepdim=True)).repeat_interleave(q.shape[1] // k.shape[1], 1)
+    kept = p_near + (a * (p_far @ b)).sum(-1)
+    return -kept.clamp_min(1e-9).log().mean(), balance_loss(s_k, config.sinkhorn_iters)
+
+
+@torch.no_grad()
+def hard_retained_mass(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, config: FocusConfig,
+                       query_idx: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Full-attention mass that the hard Focus pattern keeps, per head ``[B, Hq]`` (mean over query_idx)."""
+    p, near, future = _attention_rows(q, k, config, query_idx, scale)
+    qm = routing.hard_membership(q[:, :, query_idx], centroids, config.tau, config.query_top_k)
+    km = routing.hard_membership(k, centroids, config.tau, config.key_top_k)
+    km = km.repeat_interleave(q.shape[1] // k.shape[1], 1)
+    same = (qm[..., :, None] & km[..., None, :]) != 0
+    return (p * (near | (same & ~future))).sum(-1).mean(-1)
+
+
+def query_positions(n: int, count: int, config: FocusConfig, generator: torch.Generator) -> torch.Tensor:
+    """``count`` random query positions that have far keys (``>= window``; all positions if n <= window)."""
+    low = min(config.window, n - 1)
+    return torch.randint(low, n, (count,), generator=generator)
+
+
+# ---- one step ------------------------------------------------------------------------------------
+
+
+def _step_generator(seed: int, step: int, salt: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_009 + salt)
+
+
+def batch_indices(num_windows: int, batch_size: int, seed: int, step: int) -> list[int]:
+    """Window indices of the global batch of ``step``: epochs of seeded permutations, a pure function."""
+    out = []
+    for i in range(step * batch_size, (step + 1) * batch_size):
+        epoch, pos = divmod(i, num_windows)
+        out.append(int(torch.randperm(num_windows, generator=_step_generator(seed, epoch, 1))[pos]))
+    return out
+
+
+def accumulate_gradients(model: nn.Module, adapter: FocusAdapter, sequences: torch.Tensor, positions: list[int],
+                         tc: TrainConfig, step: int) -> dict[str, float]:
+    """Forward/backward ``sequences [b, L]`` one at a time, adding into ``adapter.centroids.grad``.
+
+    They are this rank's share of the global batch of ``step``, at ``positions`` in it; every loss is divided
+    by ``tc.batch_size``. Returns this rank's share of the step's losses.
+    """
+    cfg = adapter.config
+    sums = {"loss": 0.0, tc.objective: 0.0, "balance": 0.0}
+    global_batch = tc.batch_size
+    for seq, position in zip(sequences, positions, strict=True):
+        if tc.objective == "distill":
+            qk = teacher_qk(model, seq[None])
+            gen = _step_generator(tc.seed, step, 2 + position)
+            idx = query_positions(seq.shape[0], tc.query_samples, cfg, gen).to(qk[adapter.config.layers[0]][0].device)
+            for layer, slot in adapter.slot.items():
+                q, k = qk[layer]
+                kl, bal = distill_layer_loss(q, k, adapter.centroids[slot], cfg, idx)
+                main = kl / len(adapter.slot)
+                bal = bal / len(adapter.slot)
+                ((main + tc.balance_weight * bal) / global_batch).backward()
+                sums[tc.objective] += main.item() / global_batch
+                sums["balance"] += bal.item() / global_batch
+        else:
+            lm, bal = lm_losses(model, adapter, seq)
+            ((lm + tc.balance_weight * bal) / global_batch).backward()
+            sums["lm"] += lm.item() / global_batch
+            sums["balance"] += bal.item() / global_batch
+    sums["loss"] = sums[tc.objective] + tc.balance_weight * sums["balance"]
+    return sums
+
+
+def lm_losses(model: nn.Module, adapter: FocusAdapter, seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token loss of ``seq [L]`` through the attached (soft) adapter, and the mean key-balance loss of its
+    layers (from the keys each Focus layer sees, collected by a forward hook on the adapter)."""
+    cfg = adapter.config
+    bals: list[torch.Tensor] = []
+
+    def hook(module: FocusAdapter, args: tuple, output: torch.Tensor) -> None:
+        bals.append(balance_loss(routing.scores(args[3], module.centroids[args[1]], cfg.tau), cfg.sinkhorn_iters))
+
+    handle = adapter.register_forward_hook(hook)
+    try:
+        x = seq[None].to(next(model.parameters()).device)
+        lm = model(input_ids=x, labels=x, use_cache=False).loss
+    finally:
+        handle.remove()
+    return lm, torch.stack(bals).mean()
+
+
+def learning_rate(tc: TrainConfig, step: int) -> float:
+    """Linear warmup, then cosine decay to 10% of ``lr`` at the last step."""
+    if step < tc.warmup:
+        return tc.lr * (step + 1) / (tc.warmup + 1)
+    t = (step - tc.warmup) / max(1, tc.steps - tc.warmup - 1)
+    return tc.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
+# ---- dev metrics ---------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def dev_metrics(adapter: FocusAdapter, dev_qk: list[QK], num_queries: int = 256) -> dict[str, float]:
+    """Cheap held-out check of the hard pattern on cached teacher q/k (one entry per dev sequence):
+    attention mass kept (``retained``), density and key-group balance, averaged over layers and heads."""
+    from focus_flex.evaluate import pattern_density
+
+    cfg, cent = adapter.config, adapter.centroids.detach()
+    kept, dens, bal = [], [], []
+    for qk in dev_qk:
+        for layer, slot in adapter.slot.items():
+            q, k = qk[layer]
+            n = q.shape[2]
+            idx = torch.linspace(min(cfg.window, n - 1), n - 1, num_queries, device=q.device).long().unique()
+            c = cent[slot].to(q.device)
+            kept.append(hard_retained_mass(q, k, c, cfg, idx).mean())
+            qm = routing.hard_membership(q, c, cfg.tau, cfg.query_top_k)
+            km = routing.hard_membership(k, c, cfg.tau, cfg.key_top_k)
+            dens.append(pattern_density(qm, km, cfg.window, cfg.sink_tokens).mean())
+            bal.append(routing.group_balance(km, cfg.num_groups).mean())
+    mean = lambda xs: float(torch.stack(xs).mean())
+    return {"retained": mean(kept), "density": mean(dens), "balance": mean(bal)}
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+
+
+def save_checkpoint(directory: str, adapter: FocusAdapter, optimizer: torch.optim.Optimizer, step: int,
+                    tc: TrainConfig, history: list[dict[str, Any]]) -> str:
+    """``directory/checkpoints/step-000N/``: the adapter files plus optimizer state, step and history."""
+    path = os.path.join(directory, CHECKPOINT_DIR, f"step-{step:06d}")
+    tmp = path + ".tmp"
+    adapter.save_pretrained(tmp)
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "train_config": asdict(tc),
+                "history": history}, os.path.join(tmp, STATE_NAME))
+    if os.path.isdir(path):
+        import shutil
+
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    return path
+
+
+def latest_checkpoint(directory: str) -> str | None:
+    """The newest ``step-*`` checkpoint under ``directory/checkpoints`` (or ``directory`` itself), if any."""
+    if os.path.isfile(os.path.join(directory, STATE_NAME)):
+        return directory
+    root = os.path.join(directory, CHECKPOINT_DIR)
+    names = sorted(n for n in os.listdir(root) if n.startswith("step-") and not n.endswith(".tmp")) \
+        if os.path.isdir(root) else []
+    return os.path.join(root, names[-1]) if names else None
+
+
+# ---- the loop ------------------------------------------------------------------------------------
+
+
+def train(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, tc: TrainConfig, *,
+          dev_windows: torch.Tensor | None = None, output_dir: str | None = None, resume: str | None = None,
+          progress: bool = True, log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Train ``adapter``'s centroids on ``windows [N, L]`` (token ids) with ``model`` frozen; returns the history.
+
+    ``dev_windows [M, L']`` are scored with :func:`dev_metrics` every ``eval_every`` steps and at the end.
+    ``output_dir`` receives checkpoints (rank 0 only); ``resume`` is a checkpoint folder or an output dir
+    whose latest checkpoint is loaded (adapter, optimizer, step, history). The adapter must not be attached.
+    """
+    rank, world = rank_and_world()
+    if tc.batch_size % world:
+        raise ValueError(f"batch_size={tc.batch_size} must be a multiple of the number of processes ({world})")
+    if windows.dim() != 2 or windows.shape[0] < 1:
+        raise ValueError(f"windows must be a non-empty [N, L] tensor of token ids, got {tuple(windows.shape)}")
+    model.eval()
+    model.requires_grad_(False)
+    seed_everything(tc.seed)
+    device = next(model.parameters()).device
+    adapter.to(device)
+    optimizer = torch.optim.Adam([adapter.centroids], lr=tc.lr)
+    history: list[dict[str, Any]] = []
+    start = 0
+    ckpt = latest_checkpoint(resume) if resume else None
+    if resume and ckpt is None:
+        raise FileNotFoundError(f"No checkpoint to resume from in {resume!r}")
+    if ckpt:
+        state = torch.load(os.path.join(ckpt, STATE_NAME), map_location=device, weights_only=False)
+        with torch.no_grad():
+            adapter.centroids.copy_(FocusAdapter.from_pretrained(ckpt).centroids)
+        optimizer.load_state_dict(state["optimizer"])
+        start, history = state["step"], state["history"]
+    elif tc.init == "kmeans":
+        if rank == 0:
+            kmeans_init(adapter, teacher_qk(model, windows[batch_indices(len(windows), 1, tc.seed, 0)]), tc.seed)
+        if world > 1:
+            dist.broadcast(adapter.centroids.data, 0)
+    dev_qk = [teacher_qk(model, w[None]) for w in dev_windows] if dev_windows is not None and rank == 0 else []
+    say = log if log is not None and rank == 0 else (lambda msg: None)
+    lm_mode = tc.objective == "lm"
+    if lm_mode:
+        adapter.mode = "soft"
+        adapter.attach(model)
+    bar = tqdm(range(start, tc.steps), initial=start, total=tc.steps, desc=f"train ({tc.objective})",
+               disable=not progress or rank != 0)
+    try:
+        for step in bar:
+            t0 = time.perf_counter()
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(tc, step)
+            optimizer.zero_grad(set_to_none=False)
+            positions = list(range(rank, tc.batch_size, world))
+            idx = [batch_indices(len(windows), tc.batch_size, tc.seed, step)[i] for i in positions]
+            parts = accumulate_gradients(model, adapter, windows[idx], positions, tc, step)
+            if world > 1:
+                dist.all_reduce(adapter.centroids.grad)
+                totals = torch.tensor([parts[k] for k in sorted(parts)], dtype=torch.float64)
+                dist.all_reduce(totals)
+                parts = dict(zip(sorted(parts), totals.tolist(), strict=True))
+            optimizer.step()
+            with torch.no_grad():  # routing only sees directions: keep the centroids unit-norm
+                adapter.centroids.copy_(F.normalize(adapter.centroids, dim=-1))
+            entry = {"step": step + 1, "lr": learning_rate(tc, step), **parts,
+                     "seconds": time.perf_counter() - t0}
+            last = step + 1 == tc.steps
+            if dev_qk and ((tc.eval_every and (step + 1) % tc.eval_every == 0) or last):
+                entry["dev"] = dev_metrics(adapter, dev_qk)
+                say(f"step {step + 1}: dev " + json.dumps({k: round(v, 4) for k, v in entry["dev"].items()}))
+            history.append(entry)
+            bar.set_postfix(loss=f"{parts['loss']:.4f}", balance=f"{parts['balance']:.3f}")
+            if output_dir and rank == 0 and ((tc.checkpoint_every and (step + 1) % tc.checkpoint_every == 0)
+                                             or last):
+                save_checkpoint(output_dir, adapter, optimizer, step + 1, tc, history)
+    finally:
+        if lm_mode:
+            adapter.detach(model)
+            adapter.mode = "fast"
+    return history

@@ -1,0 +1,194 @@
+"""Tests of focus_flex.train: only centroids learn, runs are reproducible, resumable and data-parallel."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from focus_flex import FocusAdapter, FocusConfig, routing
+from focus_flex import train as T
+from focus_flex.attention import focus_pattern
+from focus_flex.train import TrainConfig, capture_qk, distill_layer_loss, model_checksum, train
+
+FOCUS = FocusConfig(num_groups=4, window=8, sink_tokens=2, block_size=16)
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def windows(n: int = 6, length: int = 48, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 96, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def run(objective: str = "distill", *, seed: int = 0, steps: int = 3, batch_size: int = 2, **kw) -> FocusAdapter:
+    model = tiny_llama()
+    adapter = FocusAdapter.for_model(model, FOCUS, seed=seed)
+    tc = TrainConfig(objective=objective, steps=steps, batch_size=batch_size, seq_len=48, query_samples=16, seed=seed)
+    train(model, adapter, windows(), tc, progress=False, **kw)
+    return adapter
+
+
+@pytest.mark.parametrize("objective", ["distill", "lm"])
+def test_only_centroids_get_gradients_and_base_model_is_untouched(objective):
+    model = tiny_llama()
+    adapter = FocusAdapter.for_model(model, FOCUS)
+    before = model_checksum(model)
+    tc = TrainConfig(objective=objective, steps=1, batch_size=2, seq_len=48, query_samples=16)
+    model.requires_grad_(False)
+    if objective == "lm":
+        adapter.mode = "soft"
+        adapter.attach(model)
+    parts = T.accumulate_gradients(model, adapter, windows()[:2], [0, 1], tc, step=0)
+    assert all(p.grad is None for p in model.parameters())
+    g = adapter.centroids.grad
+    assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
+    assert parts["loss"] > 0 and parts["balance"] > 0
+    if objective == "lm":
+        adapter.detach(model)
+    start = adapter.centroids.detach().clone()
+    train(model, adapter, windows(), tc, progress=False)
+    assert model_checksum(model) == before
+    assert not torch.equal(adapter.centroids.detach(), start)
+    assert torch.allclose(adapter.centroids.norm(dim=-1), torch.ones(()), atol=1e-5)
+
+
+def test_checksum_sees_any_change():
+    model = tiny_llama()
+    before = model_checksum(model)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[3, 5] += 1e-7
+    assert model_checksum(model) != before
+
+
+@pytest.mark.parametrize("objective", ["distill", "lm"])
+def test_same_seed_same_centroids(objective):
+    a, b, c = run(objective, seed=3), run(objective, seed=3), run(objective, seed=4)
+    assert torch.equal(a.centroids, b.centroids)
+    assert not torch.equal(a.centroids, c.centroids)
+
+
+def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
+    tc = TrainConfig(steps=4, batch_size=1, seq_len=48, query_samples=16, checkpoint_every=2)
+
+    def fresh(seed: int = 0) -> tuple[LlamaForCausalLM, FocusAdapter]:
+        model = tiny_llama()
+        return model, FocusAdapter.for_model(model, FOCUS, seed=seed)
+
+    model, full = fresh()
+    train(model, full, windows(), tc, progress=False)
+
+    real, calls = T.accumulate_gradients, []
+
+    def crash_at_step_3(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(T, "accumulate_gradients", crash_at_step_3)
+    model, adapter = fresh()
+    with pytest.raises(KeyboardInterrupt):
+        train(model, adapter, windows(), tc, progress=False, output_dir=str(tmp_path))
+    monkeypatch.setattr(T, "accumulate_gradients", real)
+    assert T.latest_checkpoint(str(tmp_path)).endswith("step-000002")
+
+    model, resumed = fresh(seed=99)  # another start: everything comes from the checkpoint
+    history = train(model, resumed, windows(), tc, progress=False, output_dir=str(tmp_path), resume=str(tmp_path))
+    assert [h["step"] for h in history] == [1, 2, 3, 4]
+    assert torch.equal(resumed.centroids, full.centroids)
+    assert T.latest_checkpoint(str(tmp_path)).endswith("step-000004")
+
+
+def _ddp_worker(rank: int, world: int, init_file: str, out: str, objective: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        adapter = run(objective, steps=2, batch_size=2)
+        if rank == 0:
+            torch.save(adapter.centroids.detach(), out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("objective", ["distill", "lm"])
+def test_two_processes_match_one(tmp_path, objective):
+    out = str(tmp_path / "ddp.pt")
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), out, objective), nprocs=2, join=True)
+    single = run(objective, steps=2, batch_size=2)
+    assert torch.allclose(torch.load(out), single.centroids.detach(), atol=1e-6, rtol=0)
+
+
+def test_batches_are_a_pure_function_of_seed_and_step():
+    seen = [i for step in range(3) for i in T.batch_indices(5, 5, seed=0, step=step)]
+    assert sorted(seen[:5]) == list(range(5))  # an epoch is a permutation
+    assert T.batch_indices(5, 2, 0, 7) == T.batch_indices(5, 2, 0, 7) != T.batch_indices(5, 2, 1, 7)
+
+
+def test_capture_records_post_rope_qk_without_changing_outputs():
+    model = tiny_llama()
+    x = windows()[:1]
+    with torch.no_grad():
+        ref = model(x).logits
+        with capture_qk(model) as qk:
+            got = model(x).logits
+    assert torch.equal(ref, got) and model.config._attn_implementation == "sdpa"
+    assert sorted(qk) == [0, 1] and qk[0][0].shape == (1, 4, 48, 16) and qk[0][1].shape == (1, 2, 48, 16)
+    adapter = FocusAdapter.for_model(model, FOCUS)
+    adapter.attach(model)
+    with pytest.raises(RuntimeError, match="detach"), capture_qk(model):
+        pass
+    adapter.detach(model)
+
+
+def test_distill_loss_is_the_kl_of_the_hard_focus_row():
+    """As routing sharpens, kl -> mean_i -log(full-attention mass inside the Focus pattern) = KL(focus || full)."""
+    torch.manual_seed(0)
+    cfg = FocusConfig(num_groups=4, query_top_k=2, window=4, sink_tokens=1, tau=1e-4)
+    q, k, c = torch.randn(1, 4, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(2, 4, 8)
+    idx = torch.arange(4, 32)
+    kl, bal = distill_layer_loss(q, k, c, cfg, idx)
+    p = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(2, 1)) / 8 ** 0.5
+    p = p.masked_fill(~torch.ones(32, 32, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+    kept = (p * focus_pattern(q, k, c, cfg))[:, :, idx].sum(-1)
+    assert torch.allclose(kl, -kept.log().mean(), atol=1e-4)
+    focus_row = torch.where(focus_pattern(q, k, c, cfg), p, 0.0)[:, :, idx]
+    focus_row = focus_row / focus_row.sum(-1, keepdim=True)
+    kl_rows = (focus_row * (focus_row.clamp_min(1e-30).log() - p[:, :, idx].clamp_min(1e-30).log())).sum(-1)
+    assert torch.allclose(kl, kl_rows.mean(), atol=1e-4)
+    assert bal > 0
+    assert torch.allclose(T.hard_retained_mass(q, k, c, cfg, idx), kept.mean(-1), atol=1e-5)
+
+
+def test_balance_loss_prefers_balanced_routing():
+    skewed = torch.zeros(1, 64, 4)
+    skewed[..., 0] = 5.0
+    balanced = torch.zeros(1, 64, 4)
+    balanced[0, torch.arange(64), torch.arange(64) % 4] = 5.0
+    assert T.balance_loss(balanced, 3) < T.balance_loss(skewed, 3)
+
+
+def test_kmeans_init_gives_unit_centroids_on_key_clusters():
+    model = tiny_llama()
+    adapter = FocusAdapter.for_model(model, FOCUS)
+    qk = T.teacher_qk(model, windows()[:1])
+    T.kmeans_init(adapter, qk, seed=0)
+    assert torch.allclose(adapter.centroids.norm(dim=-1), torch.ones(()), atol=1e-5)
+    km = routing.hard_membership(qk[0][1], adapter.centroids[0], 0.1, 1)
+    assert (routing.group_balance(km, 4) < 4).all()  # no group holds every key
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="objective"):
+        TrainConfig(objective="sgd")
+    with pytest.raises(ValueError, match="steps"):
+        TrainConfig(steps=0)
+    with pytest.raises(FileNotFoundError, match="resume"):
+        run(steps=1, resume=os.devnull + "-missing")
