@@ -115,7 +115,8 @@ def test_bad_local_data_raises_clear_errors(tmp_path):
         load_documents(str(tmp_path / "empty.txt"))
 
 
-def test_dataset_names(monkeypatch):
+def test_dataset_names(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # the "text" builder with no data files would pick up *.txt under the cwd
     with pytest.raises(OSError, match="neither a local file/directory nor a loadable datasets dataset"):
         load_documents("text")  # a datasets builder, but with no data files (no network involved)
     monkeypatch.setattr(
