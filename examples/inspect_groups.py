@@ -54,7 +54,7 @@ from focus_flex import FocusAdapter, FocusConfig, routing
 from focus_flex.attention import focus_pattern
 from focus_flex.data import load_documents, token_windows
 from focus_flex.models import load_model
-from focus_flex.train import capture_qk
+from focus_flex.train import capture_qkv
 
 out_dir = Path(OUTPUT_DIR)
 out_dir.mkdir(parents=True, exist_ok=True)
@@ -114,7 +114,7 @@ print(f"window {cfg.window}, sinks {cfg.sink_tokens}, top-k queries {cfg.query_t
 # ## Route some text
 #
 # One ordinary forward pass (the model's own attention) records every layer's post-RoPE queries and keys
-# (`focus_flex.train.capture_qk`); the routing scores are cosine similarities to the centroids,
+# (`focus_flex.train.capture_qkv`); the routing scores are cosine similarities to the centroids,
 # `routing.scores(keys, centroids, tau)`.
 
 # %%
@@ -129,15 +129,15 @@ key_scores = {layer: [] for layer in cfg.layers}  # layer -> [scores [Hkv, L, G]
 query_member = {layer: [] for layer in cfg.layers}  # layer -> [hard query groups, bitmask [Hq, L] per window]
 with torch.no_grad():
     for ids in tqdm(windows, desc="routing"):
-        with capture_qk(model) as qk:
+        with capture_qkv(model) as qkv:
             model(ids[None])
         for layer, slot in adapter.slot.items():
-            q, k = qk[layer]
+            q, k, _ = qkv[layer]
             cent = adapter.centroids[slot]
             key_scores[layer].append(routing.scores(k, cent, cfg.tau)[0])
             query_member[layer].append(routing.hard_membership(q, cent, cfg.tau, cfg.query_top_k)[0])
         if len(key_scores[pattern_layer]) == 1:
-            pattern_qk = qk[pattern_layer]  # the first window's queries and keys, for the picture below
+            pattern_qk = qkv[pattern_layer][:2]  # the first window's queries and keys, for the picture below
 key_scores = {layer: torch.cat(s, dim=1) for layer, s in key_scores.items()}  # [Hkv, N, G]
 query_member = {layer: torch.cat(m, dim=1) for layer, m in query_member.items()}  # [Hq, N]
 tokens = windows.reshape(-1)  # token id of every routed position, same order as the scores

@@ -3,13 +3,15 @@
 Two objectives:
 
 * ``distill`` (layer-local, the CPU default). A frozen forward pass with the model's own attention
-  records every layer's post-RoPE queries and keys (:func:`capture_qk`); no gradient goes through the
-  model. For each layer, the full attention rows ``p_i`` of ``query_samples`` random queries are
-  recomputed and the centroids are fitted so that the Focus pattern keeps that attention:
-  ``kl_i = -log(sum_j p_ij m_ij)``, with ``m_ij = 1`` for window/sink pairs and, for far pairs, the soft
-  overlap ``sum_g a_ig b_jg`` of the query's soft top-k membership ``a`` (:func:`routing.soft_membership`)
-  and the key's soft group ``b`` (one unit of mass over groups). With hard routing ``kl_i`` is exactly
-  ``KL(Focus row || full row)``: the Focus row is the full row restricted to the pattern, renormalised.
+  records every layer's post-RoPE queries, keys and values (:func:`capture_qkv`); no gradient goes through
+  the model. For each layer, the full attention rows ``p_i`` of ``query_samples`` random queries are
+  recomputed and the centroids are fitted so that Focus attention reproduces the layer's attention
+  output: the Focus row is ``p_ij m_ij`` renormalised, with ``m_ij = 1`` for window/sink pairs and, for far
+  pairs, the soft overlap ``min(1, sum_g a_ig b_jg)`` of the query's soft top-k membership ``a``
+  (:func:`routing.soft_membership`) and the key's soft group ``b`` (one unit of mass over groups); the loss
+  is ``sum_i |o_i - o_i^full|^2 / sum_i |o_i^full|^2`` over the sampled rows of each head (a relative
+  squared error of the layer output; the values decide which lost attention matters). With hard routing
+  the Focus row is exactly the Focus attention row of :func:`focus_flex.attention.reference_attention`.
 * ``lm`` (end to end, the paper's setup): the adapter runs in ``"soft"`` mode and the next-token loss is
   back-propagated through the frozen model to the centroids (dense soft attention: keep ``seq_len`` ~1K
   on CPU).
@@ -49,13 +51,13 @@ from focus_flex import routing
 from focus_flex.adapter import FocusAdapter
 from focus_flex.config import FocusConfig
 
-CAPTURE = "focus_capture"  # transformers attention implementation that records q/k
+CAPTURE = "focus_capture"  # transformers attention implementation that records q/k/v
 OBJECTIVES = ("distill", "lm")
 INITS = ("kmeans", "random")
 CHECKPOINT_DIR = "checkpoints"
 STATE_NAME = "trainer_state.pt"
 
-QK = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (q [B, Hq, L, D], k [B, Hkv, L, D])
+QKV = dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # layer -> (q [B, Hq, L, D], k, v [B, Hkv, L, D])
 
 
 @dataclass
@@ -129,8 +131,8 @@ def rank_and_world() -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def capture_qk(model: nn.Module) -> Iterator[QK]:
-    """While active, forwards of ``model`` record ``{layer: (q [B, Hq, L, D], k [B, Hkv, L, D])}`` (post-RoPE).
+def capture_qkv(model: nn.Module) -> Iterator[QKV]:
+    """While active, forwards of ``model`` record ``{layer: (q [B, Hq, L, D], k, v [B, Hkv, L, D])}`` (post-RoPE).
 
     The model's own attention still computes the outputs: a transformers attention implementation that
     stores the tensors and delegates to ``sdpa_attention_forward``, with SDPA's mask builder.
@@ -141,10 +143,10 @@ def capture_qk(model: nn.Module) -> Iterator[QK]:
 
     if any(getattr(m, "_focus", None) is not None for m in model.modules()):
         raise RuntimeError("A Focus adapter is attached: detach it to capture the model's own attention.")
-    store: QK = {}
+    store: QKV = {}
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        store[module.layer_idx] = (query.detach(), key.detach())
+        store[module.layer_idx] = (query.detach(), key.detach(), value.detach())
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
 
@@ -159,9 +161,9 @@ def capture_qk(model: nn.Module) -> Iterator[QK]:
 
 
 @torch.no_grad()
-def teacher_qk(model: nn.Module, input_ids: torch.Tensor) -> QK:
-    """Post-RoPE q/k of every layer for ``input_ids [B, L]`` (the decoder only: no LM head)."""
-    with capture_qk(model) as store:
+def teacher_qkv(model: nn.Module, input_ids: torch.Tensor) -> QKV:
+    """Post-RoPE q/k and v of every layer for ``input_ids [B, L]`` (the decoder only: no LM head)."""
+    with capture_qkv(model) as store:
         model.base_model(input_ids=input_ids.to(next(model.parameters()).device), use_cache=False)
     return dict(store)
 
@@ -181,11 +183,11 @@ def spherical_kmeans(x: torch.Tensor, k: int, iters: int, generator: torch.Gener
 
 
 @torch.no_grad()
-def kmeans_init(adapter: FocusAdapter, qk: QK, seed: int, iters: int = 10) -> None:
+def kmeans_init(adapter: FocusAdapter, qkv: QKV, seed: int, iters: int = 10) -> None:
     """Set each layer's and KV head's centroids to spherical k-means centres of its keys (needs N >= G keys)."""
     gen = torch.Generator().manual_seed(seed)
     for layer, slot in adapter.slot.items():
-        k = qk[layer][1]
+        k = qkv[layer][1]
         for h in range(k.shape[1]):
             keys = k[:, h].reshape(-1, k.shape[-1]).cpu()
             adapter.centroids[slot, h] = spherical_kmeans(keys, adapter.config.num_groups, iters, gen)
@@ -215,35 +217,48 @@ def _attention_rows(q: torch.Tensor, k: torch.Tensor, config: FocusConfig, query
     return logits.masked_fill(future, float("-inf")).softmax(-1), near, future
 
 
-def distill_layer_loss(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, config: FocusConfig,
-                       query_idx: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer-local Focus objective of one layer: ``(kl, balance)`` scalars (module docstring).
+def distill_layer_loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
+                       config: FocusConfig, query_idx: torch.Tensor,
+                       scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer-local Focus objective of one layer: ``(output error, balance)`` scalars (module docstring).
 
-    q ``[B, Hq, L, D]``, k ``[B, Hkv, L, D]`` (post-RoPE, from the frozen model), centroids ``[Hkv, G, D]``,
-    query_idx ``[Q]``: the query positions whose attention rows enter ``kl`` (a mean over them).
+    q ``[B, Hq, L, D]``, k and v ``[B, Hkv, L, D]`` (post-RoPE, from the frozen model), centroids ``[Hkv, G, D]``,
+    query_idx ``[Q]``: the query positions whose attention outputs enter the error.
     """
+    rep = q.shape[1] // k.shape[1]
     with torch.no_grad():
         p, near, future = _attention_rows(q, k, config, query_idx, scale)
-        p_near = (p * near).sum(-1)  # [B, Hq, Q]
-        p_far = p.masked_fill(near | future, 0.0)
+        vv = v.float().repeat_interleave(rep, 1)
+        full = p @ vv  # [B, Hq, Q, D]
+        far = ~(near | future)
     s_k = routing.scores(k, centroids, config.tau)  # [B, Hkv, L, G]
     a = routing.soft_membership(routing.scores(q[:, :, query_idx], centroids, config.tau), config.query_top_k)
     b = routing.soft_membership(s_k, config.key_top_k)
-    b = (b / b.sum(-1, keepdim=True)).repeat_interleave(q.shape[1] // k.shape[1], 1)
-    kept = p_near + (a * (p_far @ b)).sum(-1)
-    return -kept.clamp_min(1e-9).log().mean(), balance_loss(s_k, config.sinkhorn_iters)
+    b = (b / b.sum(-1, keepdim=True)).repeat_interleave(rep, 1)
+    keep = torch.where(far, (a @ b.transpose(-1, -2)).clamp_max(1.0), near.float())
+    return output_error(p, keep, vv, full).mean(), balance_loss(s_k, config.sinkhorn_iters)
+
+
+def output_error(p: torch.Tensor, keep: torch.Tensor, v: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """Relative squared error ``[B, H]`` of attention rows ``p [B, H, Q, L]`` reweighted by ``keep`` and
+    renormalised, against the full output ``full = p @ v`` ``[B, H, Q, D]`` (v ``[B, H, L, D]``)."""
+    w = p * keep
+    out = (w @ v) / w.sum(-1, keepdim=True)
+    return (out - full).pow(2).sum((-1, -2)) / full.pow(2).sum((-1, -2)).clamp_min(1e-12)
 
 
 @torch.no_grad()
-def hard_retained_mass(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, config: FocusConfig,
-                       query_idx: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """Full-attention mass that the hard Focus pattern keeps, per head ``[B, Hq]`` (mean over query_idx)."""
+def hard_fidelity(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor, config: FocusConfig,
+                  query_idx: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """How well the hard Focus pattern reproduces full attention at ``query_idx``, per head ``[B, Hq]`` each:
+    (full-attention mass it keeps, mean over the queries; :func:`output_error` of its outputs)."""
     p, near, future = _attention_rows(q, k, config, query_idx, scale)
     qm = routing.hard_membership(q[:, :, query_idx], centroids, config.tau, config.query_top_k)
     km = routing.hard_membership(k, centroids, config.tau, config.key_top_k)
     km = km.repeat_interleave(q.shape[1] // k.shape[1], 1)
-    same = (qm[..., :, None] & km[..., None, :]) != 0
-    return (p * (near | (same & ~future))).sum(-1).mean(-1)
+    keep = (near | (((qm[..., :, None] & km[..., None, :]) != 0) & ~future)).float()
+    vv = v.float().repeat_interleave(q.shape[1] // k.shape[1], 1)
+    return (p * keep).sum(-1).mean(-1), output_error(p, keep, vv, p @ vv)
 
 
 def query_positions(n: int, count: int, config: FocusConfig, generator: torch.Generator) -> torch.Tensor:
@@ -280,13 +295,12 @@ def accumulate_gradients(model: nn.Module, adapter: FocusAdapter, sequences: tor
     global_batch = tc.batch_size
     for seq, position in zip(sequences, positions, strict=True):
         if tc.objective == "distill":
-            qk = teacher_qk(model, seq[None])
+            qkv = teacher_qkv(model, seq[None])
             gen = _step_generator(tc.seed, step, 2 + position)
-            idx = query_positions(seq.shape[0], tc.query_samples, cfg, gen).to(qk[adapter.config.layers[0]][0].device)
+            idx = query_positions(seq.shape[0], tc.query_samples, cfg, gen).to(seq.device)
             for layer, slot in adapter.slot.items():
-                q, k = qk[layer]
-                kl, bal = distill_layer_loss(q, k, adapter.centroids[slot], cfg, idx)
-                main = kl / len(adapter.slot)
+                err, bal = distill_layer_loss(*qkv[layer], adapter.centroids[slot], cfg, idx)
+                main = err / len(adapter.slot)
                 bal = bal / len(adapter.slot)
                 ((main + tc.balance_weight * bal) / global_batch).backward()
                 sums[tc.objective] += main.item() / global_batch
@@ -330,26 +344,29 @@ def learning_rate(tc: TrainConfig, step: int) -> float:
 
 
 @torch.no_grad()
-def dev_metrics(adapter: FocusAdapter, dev_qk: list[QK], num_queries: int = 256) -> dict[str, float]:
+def dev_metrics(adapter: FocusAdapter, dev_qkv: list[QKV], num_queries: int = 256) -> dict[str, float]:
     """Cheap held-out check of the hard pattern on cached teacher q/k (one entry per dev sequence):
-    attention mass kept (``retained``), density and key-group balance, averaged over layers and heads."""
+    attention mass kept (``retained``), relative output error, density and key-group balance, averaged over
+    layers and heads."""
     from focus_flex.evaluate import pattern_density
 
     cfg, cent = adapter.config, adapter.centroids.detach()
-    kept, dens, bal = [], [], []
-    for qk in dev_qk:
+    kept, err, dens, bal = [], [], [], []
+    for qkv in dev_qkv:
         for layer, slot in adapter.slot.items():
-            q, k = qk[layer]
+            q, k, v = qkv[layer]
             n = q.shape[2]
             idx = torch.linspace(min(cfg.window, n - 1), n - 1, num_queries, device=q.device).long().unique()
             c = cent[slot].to(q.device)
-            kept.append(hard_retained_mass(q, k, c, cfg, idx).mean())
+            fidelity = hard_fidelity(q, k, v, c, cfg, idx)
+            kept.append(fidelity[0].mean())
+            err.append(fidelity[1].mean())
             qm = routing.hard_membership(q, c, cfg.tau, cfg.query_top_k)
             km = routing.hard_membership(k, c, cfg.tau, cfg.key_top_k)
             dens.append(pattern_density(qm, km, cfg.window, cfg.sink_tokens).mean())
             bal.append(routing.group_balance(km, cfg.num_groups).mean())
     mean = lambda xs: float(torch.stack(xs).mean())
-    return {"retained": mean(kept), "density": mean(dens), "balance": mean(bal)}
+    return {"retained": mean(kept), "output_error": mean(err), "density": mean(dens), "balance": mean(bal)}
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
@@ -417,10 +434,10 @@ def train(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, tc: Tr
         start, history = state["step"], state["history"]
     elif tc.init == "kmeans":
         if rank == 0:
-            kmeans_init(adapter, teacher_qk(model, windows[batch_indices(len(windows), 1, tc.seed, 0)]), tc.seed)
+            kmeans_init(adapter, teacher_qkv(model, windows[batch_indices(len(windows), 1, tc.seed, 0)]), tc.seed)
         if world > 1:
             dist.broadcast(adapter.centroids.data, 0)
-    dev_qk = [teacher_qk(model, w[None]) for w in dev_windows] if dev_windows is not None and rank == 0 else []
+    dev_qkv = [teacher_qkv(model, w[None]) for w in dev_windows] if dev_windows is not None and rank == 0 else []
     say = log if log is not None and rank == 0 else (lambda msg: None)
     lm_mode = tc.objective == "lm"
     if lm_mode:
@@ -448,8 +465,8 @@ def train(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, tc: Tr
             entry = {"step": step + 1, "lr": learning_rate(tc, step), **parts,
                      "seconds": time.perf_counter() - t0}
             last = step + 1 == tc.steps
-            if dev_qk and ((tc.eval_every and (step + 1) % tc.eval_every == 0) or last):
-                entry["dev"] = dev_metrics(adapter, dev_qk)
+            if dev_qkv and ((tc.eval_every and (step + 1) % tc.eval_every == 0) or last):
+                entry["dev"] = dev_metrics(adapter, dev_qkv)
                 say(f"step {step + 1}: dev " + json.dumps({k: round(v, 4) for k, v in entry["dev"].items()}))
             history.append(entry)
             bar.set_postfix(loss=f"{parts['loss']:.4f}", balance=f"{parts['balance']:.3f}")

@@ -8,12 +8,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from focus_flex import FocusAdapter, FocusConfig, routing
 from focus_flex import train as T
-from focus_flex.attention import focus_pattern
-from focus_flex.train import TrainConfig, capture_qk, distill_layer_loss, model_checksum, train
+from focus_flex.attention import focus_pattern, reference_attention
+from focus_flex.train import TrainConfig, capture_qkv, distill_layer_loss, model_checksum, train
 
 FOCUS = FocusConfig(num_groups=4, window=8, sink_tokens=2, block_size=16)
 
@@ -132,39 +133,39 @@ def test_batches_are_a_pure_function_of_seed_and_step():
     assert T.batch_indices(5, 2, 0, 7) == T.batch_indices(5, 2, 0, 7) != T.batch_indices(5, 2, 1, 7)
 
 
-def test_capture_records_post_rope_qk_without_changing_outputs():
+def test_capture_records_post_rope_qkv_without_changing_outputs():
     model = tiny_llama()
     x = windows()[:1]
     with torch.no_grad():
         ref = model(x).logits
-        with capture_qk(model) as qk:
+        with capture_qkv(model) as qkv:
             got = model(x).logits
     assert torch.equal(ref, got) and model.config._attn_implementation == "sdpa"
-    assert sorted(qk) == [0, 1] and qk[0][0].shape == (1, 4, 48, 16) and qk[0][1].shape == (1, 2, 48, 16)
+    assert sorted(qkv) == [0, 1] and [t.shape for t in qkv[0]] == [(1, 4, 48, 16), (1, 2, 48, 16), (1, 2, 48, 16)]
     adapter = FocusAdapter.for_model(model, FOCUS)
     adapter.attach(model)
-    with pytest.raises(RuntimeError, match="detach"), capture_qk(model):
+    with pytest.raises(RuntimeError, match="detach"), capture_qkv(model):
         pass
     adapter.detach(model)
 
 
-def test_distill_loss_is_the_kl_of_the_hard_focus_row():
-    """As routing sharpens, kl -> mean_i -log(full-attention mass inside the Focus pattern) = KL(focus || full)."""
+def test_distill_loss_is_the_output_error_of_hard_focus_attention():
+    """As routing sharpens, the loss -> relative squared error of reference Focus attention against full attention."""
     torch.manual_seed(0)
     cfg = FocusConfig(num_groups=4, query_top_k=2, window=4, sink_tokens=1, tau=1e-4)
-    q, k, c = torch.randn(1, 4, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(2, 4, 8)
+    q, k, v, c = torch.randn(1, 4, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(2, 4, 8)
     idx = torch.arange(4, 32)
-    kl, bal = distill_layer_loss(q, k, c, cfg, idx)
+    err, bal = distill_layer_loss(q, k, v, c, cfg, idx)
+    focus = reference_attention(q, k, v, c, cfg)[:, :, idx]
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)[:, :, idx]
+    expected = (focus - full).pow(2).sum((-1, -2)) / full.pow(2).sum((-1, -2))
+    assert err > 0.01 and torch.allclose(err, expected.mean(), rtol=1e-3)
+    assert bal > 0
     p = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(2, 1)) / 8 ** 0.5
     p = p.masked_fill(~torch.ones(32, 32, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
     kept = (p * focus_pattern(q, k, c, cfg))[:, :, idx].sum(-1)
-    assert torch.allclose(kl, -kept.log().mean(), atol=1e-4)
-    focus_row = torch.where(focus_pattern(q, k, c, cfg), p, 0.0)[:, :, idx]
-    focus_row = focus_row / focus_row.sum(-1, keepdim=True)
-    kl_rows = (focus_row * (focus_row.clamp_min(1e-30).log() - p[:, :, idx].clamp_min(1e-30).log())).sum(-1)
-    assert torch.allclose(kl, kl_rows.mean(), atol=1e-4)
-    assert bal > 0
-    assert torch.allclose(T.hard_retained_mass(q, k, c, cfg, idx), kept.mean(-1), atol=1e-5)
+    hard_kept, hard_err = T.hard_fidelity(q, k, v, c, cfg, idx)
+    assert torch.allclose(hard_kept, kept.mean(-1), atol=1e-5) and torch.allclose(hard_err, expected, rtol=1e-3)
 
 
 def test_balance_loss_prefers_balanced_routing():
@@ -178,10 +179,10 @@ def test_balance_loss_prefers_balanced_routing():
 def test_kmeans_init_gives_unit_centroids_on_key_clusters():
     model = tiny_llama()
     adapter = FocusAdapter.for_model(model, FOCUS)
-    qk = T.teacher_qk(model, windows()[:1])
-    T.kmeans_init(adapter, qk, seed=0)
+    qkv = T.teacher_qkv(model, windows()[:1])
+    T.kmeans_init(adapter, qkv, seed=0)
     assert torch.allclose(adapter.centroids.norm(dim=-1), torch.ones(()), atol=1e-5)
-    km = routing.hard_membership(qk[0][1], adapter.centroids[0], 0.1, 1)
+    km = routing.hard_membership(qkv[0][1], adapter.centroids[0], 0.1, 1)
     assert (routing.group_balance(km, 4) < 4).all()  # no group holds every key
 
 
