@@ -127,8 +127,11 @@ def soft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids:
     causal = idx[None, :] <= idx[lk - lq:, None]
     near = ((q_pos[:, :, None] - pos[:, None, :]) < config.window) | (pos < config.sink_tokens)[:, None, :]
     allowed = (valid[:, lk - lq:, None] & valid[:, None, :] & causal)[:, None]
-    bias = torch.where(near[:, None], torch.zeros((), device=q.device), overlap.log())
-    bias = bias.masked_fill(~allowed, float("-inf")).to(q.dtype)
+    if torch.is_grad_enabled():
+        bias = torch.where(near[:, None], torch.zeros((), device=q.device), overlap.log())
+        bias = bias.masked_fill(~allowed, float("-inf")).to(q.dtype)
+    else:  # evaluation: the same bias, built in place (a few [B, Hq, Lq, Lk] buffers fewer)
+        bias = overlap.log_().masked_fill_(near[:, None], 0.0).masked_fill_(~allowed, float("-inf")).to(q.dtype)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
     return out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
 

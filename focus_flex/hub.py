@@ -426,10 +426,9 @@ def model_card(config_dict: dict[str, Any], *, repo_id: str | None, results: dic
         rows = [r.replace("| `layers` | `None` |", "| `layers` | every full-attention layer |") for r in rows]
     rows += [f"| `{k}` | {_cell(v)} |" for k, v in sorted(cfg.items())
              if k not in _CARD_FIELDS and k not in ("extra", "focus_flex_version")]
-    if extra:
-        shown = {k: v for k, v in extra.items() if k != "results"}
-        if shown:
-            rows.append(f"| `extra` | {_cell(shown)} |")
+    shown = {k: v for k, v in extra.items() if k not in ("results", "results_markdown", "command", "training")}
+    if shown:
+        rows.append(f"| `extra` | {_cell(shown)} |")
 
     results_section = ""
     if results or results_markdown:
@@ -442,6 +441,9 @@ def model_card(config_dict: dict[str, Any], *, repo_id: str | None, results: dic
     command_section = ""
     if command:
         command_section = f"\n## How it was made\n\n```bash\n{command.strip()}\n```\n"
+    if isinstance(extra.get("training"), dict):
+        command_section += "\nTraining (`extra.training` in `focus_config.json`):\n\n| setting | value |\n|---|---|\n"
+        command_section += "\n".join(f"| `{k}` | {_cell(v)} |" for k, v in extra["training"].items()) + "\n"
 
     num_params, shape = _param_summary(cfg, tensor_shapes)
     name = repo_id or "Focus adapter"

@@ -431,6 +431,8 @@ def test_model_card():
     # Results recorded in the config's free-form `extra` are shown when none are passed.
     rec = hub.model_card({**cfg, "extra": {"results": {"ppl": 9.5}, "steps": 100}}, repo_id="a/b")
     assert "| ppl | 9.5 |" in rec and '"steps": 100' in rec
+    trained = hub.model_card({**cfg, "extra": {"training": {"objective": "distill", "steps": 24}}}, repo_id="a/b")
+    assert "| `objective` | distill |" in trained and "| `extra` |" not in trained
     exact = hub.model_card(cfg, repo_id="a/b", tensor_shapes={"centroids": [3, 3, 16, 64]})
     assert "`centroids` [3, 3, 16, 64]" in exact
 
