@@ -1,0 +1,115 @@
+"""Tests of the focus-flex command: retrofit/eval end to end on a tiny local model, errors, the real default model."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from focus_flex import FocusAdapter, hub
+from focus_flex.cli import build_parser, main
+from focus_flex.evaluate import MODES, PLOT_PNG, RESULTS_JSON, RESULTS_MD
+
+WORDS = [f"w{i}" for i in range(90)]
+TINY = ["--context", "64", "--seq-len", "48", "--groups", "4", "--window", "8", "--sinks", "2",
+        "--query-samples", "8", "--eval-windows", "2", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Llama with a word-level tokenizer, training texts and held-out texts."""
+    root = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    LlamaForCausalLM(cfg).save_pretrained(root / "model")
+    tok = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}},
+                                     unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(root / "model")
+    rng = random.Random(0)
+    for split, books in (("train", 3), ("eval", 1)):
+        (root / split).mkdir()
+        for b in range(books):
+            (root / split / f"book{b}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(400)))
+    return root
+
+
+def test_retrofit_then_eval(tiny, tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["retrofit", "--model", str(tiny / "model"), "--data", str(tiny / "train"), "--eval-data",
+            str(tiny / "eval"), "--steps", "2", "--output-dir", str(out), *TINY]
+    assert main(argv) == 0
+    adapter_dir = out / "adapter"
+    files = set(os.listdir(adapter_dir))
+    assert {"focus_config.json", "focus_adapter.safetensors", "README.md", RESULTS_JSON, RESULTS_MD, PLOT_PNG} <= files
+    assert os.path.isdir(out / "checkpoints" / "step-000002")
+    adapter = FocusAdapter.from_pretrained(str(adapter_dir))
+    extra = adapter.config.extra
+    assert adapter.config.num_groups == 4 and adapter.config.window == 8
+    assert extra["command"] == "focus-flex " + " ".join(argv)
+    assert extra["training"]["base_model_unchanged"] and extra["training"]["steps"] == 2
+    assert set(extra["results"]) == set(MODES)
+    card = (adapter_dir / "README.md").read_text()
+    assert "library_name: focus_flex" in card and "| focus |" in card and PLOT_PNG in card and argv[0] in card
+    results = json.loads((adapter_dir / RESULTS_JSON).read_text())
+    assert [r["mode"] for r in results["results"]] == list(MODES) and len(results["history"]) == 2
+    assert "| window |" in capsys.readouterr().out
+
+    evald = tmp_path / "eval"
+    assert main(["eval", str(adapter_dir), "--model", str(tiny / "model"), "--eval-data", str(tiny / "eval"),
+                 "--context", "64", "--eval-windows", "1", "--modes", "full", "focus", "--output-dir", str(evald),
+                 "--no-progress"]) == 0
+    results = json.loads((evald / RESULTS_JSON).read_text())
+    assert [r["mode"] for r in results["results"]] == ["full", "focus"]
+    assert results["results"][1]["density"] < 1
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "MODEL/../nope"], "cannot load model"),
+    (["--data", "TINY/missing.txt", "--eval-data", "TINY/eval"], "cannot read the training data"),
+    (["--data", "TINY/train", "--eval-data", "TINY/missing"], "cannot read the evaluation data"),
+    (["--data", "TINY/train"], "no held-out split: pass --eval-data"),
+    (["--data", "TINY/train", "--eval-data", "TINY/eval", "--context", "512"], "longer than the 256 tokens"),
+    (["--data", "TINY/train", "--eval-data", "TINY/eval", "--context", "4000"], "longer than the 256 tokens"),
+])
+def test_retrofit_errors_are_clear(tiny, tmp_path, capsys, args, message):
+    args = [a.replace("MODEL", str(tiny / "model")).replace("TINY", str(tiny)) for a in args]
+    if "--model" not in args:
+        args += ["--model", str(tiny / "model")]
+    argv = ["retrofit", *TINY, *args, "--steps", "1", "--output-dir", str(tmp_path)]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_eval_of_a_missing_adapter(tmp_path, capsys):
+    assert main(["eval", str(tmp_path / "none"), "--no-progress"]) == 2
+    assert "cannot load adapter" in capsys.readouterr().err
+
+
+def test_hub_and_bench_commands_are_registered():
+    parser = build_parser()
+    assert parser.parse_args(["push", "dir", "me/repo"]).func is hub.cmd_push
+    assert parser.parse_args(["pull", "me/repo"]).func is hub.cmd_pull
+    assert callable(parser.parse_args(["bench"]).func)
+
+
+@pytest.mark.slow
+def test_retrofit_default_model_end_to_end(tmp_path):
+    """The real SmolLM2-135M-Instruct and shipped books, with tiny settings (~1-2 min on 2 CPU cores)."""
+    out = tmp_path / "run"
+    assert main(["retrofit", "--context", "512", "--seq-len", "512", "--steps", "2", "--query-samples", "64",
+                 "--eval-windows", "1", "--output-dir", str(out), "--no-progress"]) == 0
+    adapter = FocusAdapter.from_pretrained(str(out / "adapter"))
+    assert adapter.config.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert tuple(adapter.centroids.shape) == (30, 3, 16, 64)
+    res = {r["mode"]: r for r in json.loads((out / "adapter" / RESULTS_JSON).read_text())["results"]}
+    assert set(res) == set(MODES)
+    assert 5 < res["full"]["perplexity"] < 100  # real text, real model
+    assert res["focus"]["density"] < 1 and res["window"]["density"] >= res["focus"]["density"]
+    assert res["focus"]["perplexity"] < 2 * res["full"]["perplexity"]

@@ -1,0 +1,93 @@
+"""Tests of focus_flex.evaluate: exact densities, the window-only baseline, the five-mode evaluation and reports."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from focus_flex import FocusAdapter, FocusConfig, routing
+from focus_flex import evaluate as E
+from focus_flex.attention import focus_pattern
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("kq,kk,window,sinks,n", [(1, 1, 5, 2, 40), (2, 1, 3, 0, 33), (2, 3, 7, 4, 50),
+                                                   (1, 2, 1, 1, 20), (3, 3, 64, 4, 30), (1, 1, 4, 9, 12)])
+def test_pattern_density_counts_exactly_what_focus_pattern_allows(kq, kk, window, sinks, n):
+    torch.manual_seed(n)
+    cfg = FocusConfig(num_groups=6, query_top_k=kq, key_top_k=kk, window=window, sink_tokens=sinks)
+    q, k, c = torch.randn(2, 4, n, 8), torch.randn(2, 2, n, 8), torch.randn(2, 6, 8)
+    expected = focus_pattern(q, k, c, cfg).sum((-1, -2)).double() / (n * (n + 1) / 2)
+    qm, km = routing.hard_membership(q, c, cfg.tau, kq), routing.hard_membership(k, c, cfg.tau, kk)
+    assert torch.allclose(E.pattern_density(qm, km, window, sinks), expected, atol=1e-12)
+
+
+def test_window_densities_and_matching_window():
+    i, j = torch.arange(100)[:, None], torch.arange(100)[None, :]
+    for w, s in [(1, 0), (5, 3), (10, 0), (100, 4), (200, 300)]:
+        assert E.window_pairs(100, w, s) == int(((j <= i) & ((i - j < w) | (j < s))).sum())
+    assert E.window_density(100, 100, 0) == 1.0
+    for target in (0.15, 0.2, 0.5, 0.9):
+        w = E.matching_window(100, 4, target)
+        assert E.window_density(100, w, 4) >= target > E.window_density(100, w - 1, 4)
+    assert E.matching_window(100, 4, 0.05) == 1  # window 1 + 4 sinks already computes more than 5%
+
+
+def test_window_only_restricts_attention_and_restores_the_model():
+    model = tiny_llama()
+    x = torch.randint(0, 96, (1, 24))
+    y = x.clone()
+    y[0, 0] = (y[0, 0] + 1) % 96
+    with torch.no_grad():
+        full = model(x).logits
+        with E.window_only(model, 64, 0):  # window beyond the sequence: full attention
+            assert torch.allclose(model(x).logits, full, atol=1e-5)
+        with E.window_only(model, 3, 0):  # 2 layers x window 3: position p sees tokens >= p - 4
+            a, b = model(x).logits, model(y).logits
+            assert torch.equal(a[0, 5:], b[0, 5:]) and not torch.equal(a[0, :5], b[0, :5])
+        with E.window_only(model, 3, 1):  # ... unless token 0 is a sink
+            assert not torch.equal(model(x).logits[0, 20], model(y).logits[0, 20])
+        assert model.config._attn_implementation == "sdpa"
+        assert torch.equal(model(x).logits, full)
+
+
+def test_evaluate_all_modes_and_reports(tmp_path):
+    model = tiny_llama()
+    adapter = FocusAdapter.for_model(model, FocusConfig(num_groups=4, window=8, sink_tokens=2, block_size=16))
+    windows = torch.randint(0, 96, (2, 64), generator=torch.Generator().manual_seed(0))
+    results = E.evaluate(model, adapter, windows, progress=False)
+    by = {r.mode: r for r in results}
+    assert list(by) == list(E.MODES)
+    nll = sum(F.cross_entropy(model(w[None]).logits[0, :-1], w[1:], reduction="sum").item() for w in windows)
+    assert by["full"].tokens == 126 and math.isclose(by["full"].perplexity, math.exp(nll / 126), rel_tol=1e-5)
+    assert by["full"].density == by["soft"].density == 1.0
+    assert 0 < by["focus"].density < 1 and by["focus"].balance >= 1 and by["random"].balance >= 1
+    w = E.matching_window(64, 2, by["focus"].density)
+    assert by["window"].density == E.window_density(64, w, 2) >= by["focus"].density
+    assert f"window {w} + 2 sinks" in by["window"].note
+    assert not any(getattr(m, "_focus", None) for m in model.modules())  # everything detached again
+
+    paths = E.save_results(str(tmp_path), results, {"model": "tiny"}, "protocol text", "title")
+    data = json.loads(open(paths[E.RESULTS_JSON]).read())
+    assert [r["mode"] for r in data["results"]] == list(E.MODES) and data["model"] == "tiny"
+    table = open(paths[E.RESULTS_MD]).read()
+    assert table.startswith("| mode | perplexity |") and "protocol text" in table and "| focus |" in table
+    assert open(paths[E.PLOT_PNG], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_evaluate_rejects_window_without_focus():
+    model = tiny_llama()
+    adapter = FocusAdapter.for_model(model, FocusConfig(num_groups=4, window=8))
+    with pytest.raises(ValueError, match="needs 'focus'"):
+        E.evaluate(model, adapter, torch.zeros(1, 16, dtype=torch.long), modes=("full", "window"))
