@@ -28,7 +28,7 @@ class FocusConfig:
     window: int = 256
     sink_tokens: int = 4
     tau: float = 0.1
-    block_size: int = 128
+    block_size: int = 64  # FlexAttention tile of the fast path (speed only; 64 measured faster than 128 on CPU)
     layers: list[int] | None = None  # None: every full-attention layer of the model
     sinkhorn_iters: int = 3
     # Shape of the model the centroids belong to (filled in by `FocusAdapter.for_model`).
