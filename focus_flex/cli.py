@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
 import shlex
@@ -297,10 +298,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def keep_freed_memory() -> bool:
+    """Linux/glibc: keep freed buffers in the process heap instead of returning each to the OS.
+
+    Training and evaluation allocate and free many ``[heads, L, L]`` temporaries (tens of MB); by default glibc
+    serves each from a fresh ``mmap`` whose pages are faulted in and zeroed again every time, which took over
+    half of the CPU time of ``retrofit`` on a 2-core machine (measured 1.7x faster on such a loop with this).
+    Only the ``focus-flex`` process is affected; returns whether the setting was applied.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (e.g. musl)
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, 1 << 31))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
+    keep_freed_memory()
     try:
         return args.func(args)
     except CliError as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from focus_flex import FocusAdapter, hub
-from focus_flex.cli import build_parser, main
+from focus_flex.cli import build_parser, keep_freed_memory, main
 from focus_flex.evaluate import MODES, PLOT_PNG, RESULTS_JSON, RESULTS_MD
 
 WORDS = [f"w{i}" for i in range(90)]
@@ -113,3 +114,8 @@ def test_retrofit_default_model_end_to_end(tmp_path):
     assert 5 < res["full"]["perplexity"] < 100  # real text, real model
     assert res["focus"]["density"] < 1 and res["window"]["density"] >= res["focus"]["density"]
     assert res["focus"]["perplexity"] < 2 * res["full"]["perplexity"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning is Linux-only")
+def test_keep_freed_memory_applies_on_glibc():
+    assert keep_freed_memory()
