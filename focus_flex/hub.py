@@ -392,6 +392,9 @@ def _prod(xs) -> int:
     return out
 
 
+REPO_PLACEHOLDER = "<namespace>/<repo>"  # in a card written before the repo id is known; `push` fills it in
+
+
 def model_card(config_dict: dict[str, Any], *, repo_id: str | None, results: dict[str, Any] | None = None,
                results_markdown: str | None = None, command: str | None = None,
                tensor_shapes: dict[str, list[int]] | None = None) -> str:
@@ -458,7 +461,7 @@ def model_card(config_dict: dict[str, Any], *, repo_id: str | None, results: dic
         centroid_shape=shape,
         config_table="\n".join(rows),
         results_section=results_section,
-        repo_id=repo_id or "<namespace>/<repo>",
+        repo_id=repo_id or REPO_PLACEHOLDER,
         base_comment=f" ({base})" if base else "",
         command_section=command_section,
     )
@@ -567,6 +570,13 @@ def cmd_push(args: argparse.Namespace) -> int:
             with open(readme, "w", encoding="utf-8") as f:
                 f.write(card)
             print(f"wrote model card {readme}")
+        else:  # a card written before the repo id was known (e.g. by `focus-flex retrofit`): name the repo
+            with open(readme, encoding="utf-8") as f:
+                card = f.read()
+            if REPO_PLACEHOLDER in card:
+                with open(readme, "w", encoding="utf-8") as f:
+                    f.write(card.replace(REPO_PLACEHOLDER, args.repo_id))
+                print(f"filled in the repo id in {readme}")
         url = push_folder_to_hub(args.dir, args.repo_id, private=args.private, token=args.token,
                                  commit_message=args.message, revision=args.revision)
     except (OSError, ValueError) as e:

@@ -326,6 +326,15 @@ def test_cli_push_validates_writes_card_and_pull(hub_server, tmp_path, capsys):
     assert commit.message == "first" and commit.files["README.md"] == card.encode()
     assert hub_server.hub.repos["alice/cli-ad"].refs["exp"] == sha
 
+    # A card written before the repo id was known (retrofit) gets it filled in when pushed.
+    (d / "README.md").write_text(hub.model_card(cfg.to_dict(), repo_id=None))
+    assert cli("push", d, "alice/cli-ad", "--token", "hf_alice", "--revision", "exp") == 0
+    out = capsys.readouterr().out
+    assert "filled in the repo id" in out
+    sha = commit_sha(out.strip().splitlines()[-1])
+    card = (d / "README.md").read_text()
+    assert hub.REPO_PLACEHOLDER not in card and 'from_pretrained("alice/cli-ad")' in card
+
     assert cli("pull", "alice/cli-ad", "--revision", "exp", "--local-dir", tmp_path / "copy") == 0
     out = capsys.readouterr().out
     assert f"adapter: {tmp_path / 'copy'}\ncommit: {sha}\n" in out
