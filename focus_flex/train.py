@@ -71,7 +71,7 @@ class TrainConfig:
     lr: float = 0.05
     warmup: int = 2
     balance_weight: float = 1.0
-    query_samples: int = 512  # distill: attention rows per sequence and layer
+    query_samples: int = 192  # distill: attention rows per sequence and layer
     init: str = "kmeans"  # spherical k-means of the keys of the first sequence, or "random"
     seed: int = 0
     eval_every: int = 0  # dev metrics every N steps (0: at the end only)
