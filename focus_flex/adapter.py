@@ -11,6 +11,7 @@ of the same name, so padding masks arrive), and points every attention module at
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 from dataclasses import dataclass
@@ -20,9 +21,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from focus_flex import routing
-from focus_flex.attention import focus_attention, reference_attention, soft_attention
+from focus_flex.attention import DECODE_MAX_QUERIES, focus_attention, reference_attention, small_work, soft_attention
 from focus_flex.config import CONFIG_NAME, WEIGHTS_NAME, FocusConfig
+from focus_flex.decode import KeyIndex
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt2")
 MODES = ("fast", "reference", "soft")
@@ -87,7 +88,7 @@ class FocusAdapter(nn.Module):
         self._mode = "fast"
         self._attached: list[tuple[weakref.ref, str, list]] = []
         self._active_cache: weakref.ref | None = None
-        self._key_cache: dict[int, tuple[weakref.ref, int, torch.Tensor, torch.Tensor]] = {}
+        self._key_index: dict[int, tuple[weakref.ref, KeyIndex, torch.Tensor]] = {}  # slot -> (cache, index, last key)
 
     @property
     def mode(self) -> str:
@@ -171,7 +172,7 @@ class FocusAdapter(nn.Module):
                     module._focus = None
                 model.set_attn_implementation(original)
                 del self._attached[i]
-                self._key_cache.clear()
+                self._key_index.clear()
                 return model
         raise ValueError("This adapter is not attached to that model.")
 
@@ -183,24 +184,24 @@ class FocusAdapter(nn.Module):
         self._active_cache = None
 
     # ---- the attention call ------------------------------------------------------------------
-    def key_membership(self, slot: int, key: torch.Tensor) -> torch.Tensor | None:
-        """Key routing bitmasks ``[B, Hkv, Lk]``, reusing those already computed for a KV cache."""
+    def key_index(self, slot: int, key: torch.Tensor) -> KeyIndex | None:
+        """Key routing of a KV cache layer's keys ``[B, Hkv, Lk, D]``, kept up to date step by step.
+
+        The index of the active cache grows by the keys appended since the last call (O(new keys)); a different
+        cache, or one that was cropped, reordered or rewritten, is routed from scratch. None without a cache.
+        """
         cache = self._active_cache() if self._active_cache is not None else None
         if cache is None:
             return None
         cent, c = self.centroids[slot].detach(), self.config
-        entry = self._key_cache.get(slot)
-        lk = key.shape[2]
-        if entry is not None:
-            ref, n, member, last = entry
-            if ref() is cache and n <= lk and member.shape[0] == key.shape[0] and torch.equal(key[:, :, n - 1], last):
-                new = routing.hard_membership(key[:, :, n:], cent, c.tau, c.key_top_k)
-                member = torch.cat([member, new], dim=2)
-                self._key_cache[slot] = (ref, lk, member, key[:, :, lk - 1].clone())
-                return member
-        member = routing.hard_membership(key, cent, c.tau, c.key_top_k)
-        self._key_cache[slot] = (weakref.ref(cache), lk, member, key[:, :, lk - 1].clone())
-        return member
+        entry = self._key_index.get(slot)
+        if entry is not None and _continues(entry, cache, key):
+            ref, index, _ = entry
+        else:
+            ref, index = weakref.ref(cache), KeyIndex(key.shape[0], key.shape[1], c.num_groups, key.device)
+        index.extend(key[:, :, index.length:], cent, c)
+        self._key_index[slot] = (ref, index, key[:, :, -1].clone())
+        return index
 
     def forward(self, module: nn.Module, slot: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 padding: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
@@ -210,8 +211,9 @@ class FocusAdapter(nn.Module):
             return soft_attention(query, key, value, cent, c, attention_mask=padding, scale=scaling)
         if self.mode == "reference":
             return reference_attention(query, key, value, cent.detach(), c, attention_mask=padding, scale=scaling)
-        return focus_attention(query, key, value, cent.detach(), c, attention_mask=padding, scale=scaling,
-                               k_member=self.key_membership(slot, key))
+        with small_work(query.device) if query.shape[2] <= DECODE_MAX_QUERIES else contextlib.nullcontext():
+            return focus_attention(query, key, value, cent.detach(), c, attention_mask=padding, scale=scaling,
+                                   key_index=self.key_index(slot, key))
 
     # ---- files -------------------------------------------------------------------------------
     def save_pretrained(self, directory: str | os.PathLike) -> str:
@@ -285,6 +287,15 @@ class FocusAdapter(nn.Module):
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)
             and hasattr(m, "config") and m.__class__.__name__.endswith("Attention")]
+
+
+def _continues(entry: tuple[weakref.ref, KeyIndex, torch.Tensor], cache: object, key: torch.Tensor) -> bool:
+    """Whether ``key`` ``[B, Hkv, Lk, D]`` is the indexed keys of ``cache`` plus new ones (the last indexed key is
+    still in place): then only the new keys need routing."""
+    ref, index, last = entry
+    n = index.length
+    return ref() is cache and n <= key.shape[2] and key.shape[:2] == last.shape[:2] and torch.equal(
+        key[:, :, n - 1], last)
 
 
 class FocusMask:

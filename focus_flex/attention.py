@@ -20,6 +20,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from focus_flex import routing
 from focus_flex.config import FocusConfig
+from focus_flex.decode import KeyIndex, indexed_attention
 from focus_flex.masks import block_density, far_mask_mod, local_mask_mod, range_block_mask
 
 DECODE_MAX_QUERIES = 16  # up to this many queries, the fast path gathers keys instead of calling flex
@@ -379,9 +380,13 @@ def _few_queries_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ce
     m = max(int(count.max()), 1)
     used = torch.arange(m, device=k.device) < count[..., None]  # [B, Hkv, m]
     idx = torch.zeros(used.shape, dtype=torch.long, device=k.device).masked_scatter_(used, union.nonzero()[:, 2])
-    bi, hi = torch.arange(b, device=k.device)[:, None, None], torch.arange(hkv, device=k.device)[None, :, None]
-    kg, vg = k[bi, hi, idx].float(), v[bi, hi, idx].float()  # [B, Hkv, m, D]
-    s = torch.einsum("bhrd,bhmd->bhrm", q.reshape(b, hkv, rows, d).float(), kg) * scale
+    kg, vg = k.new_empty(b, hkv, m, d), v.new_empty(b, hkv, m, d)
+    for i in range(b):  # a memcpy per row, straight into place (a KV cache is often a strided view: no reshape)
+        for h in range(hkv):
+            torch.index_select(k[i, h], 0, idx[i, h], out=kg[i, h])
+            torch.index_select(v[i, h], 0, idx[i, h], out=vg[i, h])
+    kg, vg = kg.float(), vg.float()
+    s = (kg @ q.reshape(b, hkv, rows, d).float().transpose(-1, -2)).transpose(-1, -2) * scale
     ok = allowed.gather(-1, idx[:, :, None, :].expand(-1, -1, rows, -1)) & used[:, :, None, :]
     p = torch.nan_to_num(s.masked_fill(~ok, float("-inf")).softmax(-1), nan=0.0)
     return torch.einsum("bhrm,bhmd->bhrd", p, vg).reshape(b, hq, lq, d).to(q.dtype)
@@ -399,6 +404,15 @@ def _threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(old)
+
+
+def small_work(device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """Run latency-bound work (many small ops: routing, planning, decode) on one intra-op thread on CPU.
+
+    OpenMP barriers of small ops cost more than they save, and far more on a busy machine: with 2 threads and the
+    other core taken by another process, a 64-dim matmul that takes 20 us on one thread takes ~8 ms.
+    """
+    return _threads(1 if device.type == "cpu" else torch.get_num_threads())
 
 
 def _flex_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, scale: float, extra: torch.Tensor,
@@ -532,22 +546,27 @@ def _merge(loc: tuple[torch.Tensor, ...], far: tuple[torch.Tensor, ...], lay: Fa
 
 def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
                     config: FocusConfig, *, attention_mask: torch.Tensor | None = None, scale: float | None = None,
-                    k_member: torch.Tensor | None = None) -> torch.Tensor:
+                    key_index: KeyIndex | None = None) -> torch.Tensor:
     """The fast path: same result as :func:`reference_attention`, on compiled FlexAttention.
 
     Prefill: a local call (window + sinks, tokens in order) and a far call (copies sorted by group),
     both block-sparse, merged exactly through their log-sum-exps. Decode (Lq <= 16): the allowed keys
-    are gathered (window + sinks + same-group keys), O(Lk) work. ``k_member`` (int64 bitmask
-    ``[B, Hkv, Lk]``) lets a KV cache pass key routing it already computed. Inference only: compiled
-    flex has no backward on CPU; train with :func:`soft_attention`.
+    are gathered (window + sinks + same-group keys). ``key_index`` (:class:`~focus_flex.decode.KeyIndex`)
+    is the key routing a KV cache already computed for exactly these keys: with it and no padding, decode
+    reads its per-group key lists and costs O(selected keys); otherwise decode is O(Lk). Inference only:
+    compiled flex has no backward on CPU; train with :func:`soft_attention`.
     """
     valid = check_inputs(q, k, v, centroids, config, attention_mask)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     b, hq, lq, d = q.shape
-    if k_member is not None and k_member.shape != k.shape[:3]:
-        raise ValueError(f"k_member {tuple(k_member.shape)} must be [B, Hkv, Lk] = {tuple(k.shape[:3])}")
+    if key_index is not None and key_index.member.shape != k.shape[:3]:
+        raise ValueError(f"key_index routes keys [B, Hkv, Lk] = {tuple(key_index.member.shape)}, but k is "
+                         f"{tuple(k.shape[:3])}")
+    k_member = None if key_index is None else key_index.member
     if lq <= DECODE_MAX_QUERIES:
-        with _threads(1 if q.device.type == "cpu" else torch.get_num_threads()):
+        with small_work(q.device):
+            if key_index is not None and (attention_mask is None or bool(valid.all())):
+                return indexed_attention(q, k, v, centroids, config, key_index, scale)
             return _few_queries_attention(q, k, v, centroids, config, valid, k_member, scale)
 
     k_groups = None
@@ -556,10 +575,9 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
     threads = torch.get_num_threads()
     out = torch.empty_like(q)
     rep = hq // k.shape[1]
-    # Everything but the two flex kernels is small, latency-bound integer and copy work: on CPU it runs on one
-    # thread (OpenMP barriers of many small ops cost more than they save, especially on a busy 2-core machine).
+    # Everything but the two flex kernels is small, latency-bound integer and copy work (see small_work).
     # One KV head (and its query heads) at a time keeps the temporaries at a fraction of the output's size.
-    with _threads(1 if q.device.type == "cpu" else threads):
+    with small_work(q.device):
         for j in range(k.shape[1]):
             hs, ks = slice(j * rep, (j + 1) * rep), slice(j, j + 1)
             qj, kj, vj = q[:, hs], k[:, ks], v[:, ks]

@@ -127,39 +127,42 @@ def run_bench(*, lengths: Sequence[int] = (4096, 8192, 16384, 32768), dtypes: Se
     started = time.time()
     results: dict[str, Any] = {"machine": machine_info(), "command": command, "focus": focus,
                                "repeats": repeats, "max_seconds": max_seconds}
+    out = Path(output_dir)
+
+    def worker(section: str, spec: dict[str, Any]) -> None:  # results so far survive a failed or stopped run
+        results.setdefault(section, []).append(_run_worker(spec))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.partial.json").write_text(json.dumps(results, indent=2) + "\n")
     log("checking the fast path against reference_attention ...")
     results["correctness"] = check_correctness(focus)
     common = {"focus": focus, "repeats": repeats, "max_seconds": max_seconds}
     if "op" in sections:
-        results["op"] = []
         for dtype in dtypes:
             for n in lengths:
                 log(f"op: {dtype} N={n} ...")
-                results["op"].append(_run_worker({**common, "task": "op", "n": n, "dtype": dtype,
-                                                  "flex_causal": n <= flex_causal_max}))
+                worker("op", {**common, "task": "op", "n": n, "dtype": dtype, "flex_causal": n <= flex_causal_max})
     adapter_dir = adapter or _find_adapter()
     model_spec = {**common, "model_dtype": model_dtype, "adapter": adapter_dir}
     if "prefill" in sections:
-        results["prefill"] = []
         for n in prefill_lengths:
             log(f"prefill: N={n} ...")
-            results["prefill"].append(_run_worker({**model_spec, "task": "prefill", "n": n}))
+            worker("prefill", {**model_spec, "task": "prefill", "n": n})
     if "decode" in sections:
-        results["decode"] = []
         for n in decode_lengths:
             log(f"decode: cache={n} ...")
-            spec = {**model_spec, "task": "decode", "n": n, "tokens": decode_tokens}
-            runs = {m: _run_worker({**spec, "method": m}) for m in ("sdpa", "focus")}  # one process each: clean RSS
-            results["decode"].append({**runs["sdpa"], **runs["focus"]})
+            for method in ("sdpa", "focus"):  # one process each: clean peak RSS
+                worker("decode", {**model_spec, "task": "decode", "n": n, "tokens": decode_tokens, "method": method})
+            results["decode"][-2:] = [{**results["decode"][-2], **results["decode"][-1]}]
     if "compile" in sections:
         log("compile ...")
-        results["compile"] = _run_worker({**common, "task": "compile", "dtype": dtypes[0]})
+        worker("compile", {**common, "task": "compile", "dtype": dtypes[0]})
+        results["compile"] = results["compile"][0]
     results["sections"] = list(sections)
     results["targets"] = evaluate_targets(results)
     results["wall_seconds"] = round(time.time() - started, 1)
-    out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "bench.partial.json").unlink(missing_ok=True)
     (out / "bench.md").write_text(to_markdown(results))
     plot(results, out / "bench.png")
     log(f"wrote {out / 'bench.md'}, bench.json, bench.png ({results['wall_seconds']:.0f} s)")
@@ -211,13 +214,14 @@ def check_correctness(focus: dict[str, Any]) -> list[dict[str, Any]]:
     """
     from focus_flex import attention
     from focus_flex.config import FocusConfig
+    from focus_flex.decode import KeyIndex
 
     cfg = FocusConfig(**{**focus, "window": min(focus["window"], 96), "sink_tokens": min(focus["sink_tokens"], 4)})
     gen = torch.Generator().manual_seed(0)
     out = []
     for dtype in ("float32", "bfloat16"):
         for name, b, lq, lk, pad in (("prefill", 2, 700, 700, 37), ("chunked prefill", 1, 300, 700, 0),
-                                     ("decode", 2, 1, 700, 11)):
+                                     ("decode", 2, 1, 700, 11), ("decode, key index", 2, 1, 700, 0)):
             c = F.normalize(torch.randn(HKV, cfg.num_groups, HEAD_DIM, generator=gen), dim=-1)
             q = torch.randn(b, HQ, lq, HEAD_DIM, generator=gen)
             k, v = (torch.randn(b, HKV, lk, HEAD_DIM, generator=gen) for _ in range(2))
@@ -225,7 +229,11 @@ def check_correctness(focus: dict[str, Any]) -> list[dict[str, Any]]:
             mask[0, :pad] = False
             q, k, v = (x.to(getattr(torch, dtype)) for x in (q, k, v))
             ref = attention.reference_attention(q.float(), k.float(), v.float(), c, cfg, attention_mask=mask)
-            got = attention.focus_attention(q, k, v, c, cfg, attention_mask=mask)
+            index = None
+            if name == "decode, key index":  # what a KV cache hands the few-queries path: O(selected keys)
+                index = KeyIndex(b, HKV, cfg.num_groups, k.device)
+                index.extend(k, c, cfg)
+            got = attention.focus_attention(q, k, v, c, cfg, attention_mask=mask, key_index=index)
             err = (got.float() - ref).abs().max().item()
             out.append({"case": name, "dtype": dtype, "max_abs_diff": err, "tolerance": TOLERANCE[dtype]})
             if not err <= TOLERANCE[dtype]:
@@ -707,6 +715,7 @@ def to_markdown(results: dict[str, Any]) -> str:
 def plot(results: dict[str, Any], path: str | os.PathLike) -> None:
     """Time against length, log-log: one panel per op dtype (+ prefill)."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -727,6 +736,7 @@ def plot(results: dict[str, Any], path: str | os.PathLike) -> None:
         ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="seconds",
                title=f"attention op, {name}" if name != "prefill" else "SmolLM2 prefill")
         ax.set_xticks(ns, [f"{n // 1024}K" for n in ns])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.suptitle(f"focus-flex bench {results['machine']['date']}: {results['machine']['cores']} cores, "

@@ -10,22 +10,18 @@ import torch
 import torch.nn.functional as F
 
 
-def expand_heads(centroids: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """``[Hkv, G, D]`` -> ``[H, G, D]`` (GQA: query head h uses KV head ``h // (H // Hkv)``)."""
-    hkv = centroids.shape[0]
-    if num_heads % hkv:
-        raise ValueError(f"{num_heads} heads cannot share {hkv} KV-head centroid sets (not a multiple).")
-    return centroids.repeat_interleave(num_heads // hkv, dim=0)
-
-
 def scores(x: torch.Tensor, centroids: torch.Tensor, tau: float) -> torch.Tensor:
     """Routing scores ``<x/|x|, C_g/|C_g|> / tau``.
 
     x: ``[B, H, L, D]``; centroids: ``[Hkv, G, D]`` with H a multiple of Hkv. Returns ``[B, H, L, G]``
     in float32 (routing decisions must not depend on the activation dtype's rounding).
     """
-    c = F.normalize(expand_heads(centroids, x.shape[1]).float(), dim=-1)
-    return torch.einsum("bhld,hgd->bhlg", F.normalize(x.float(), dim=-1), c) / tau
+    (b, h, n, d), (hkv, g, _) = x.shape, centroids.shape
+    if h % hkv:
+        raise ValueError(f"{h} heads cannot share {hkv} KV-head centroid sets (not a multiple).")
+    c = F.normalize(centroids.float(), dim=-1)
+    x = F.normalize(x.float(), dim=-1).reshape(b, hkv, h // hkv * n, d)  # the query heads of a KV head, stacked
+    return (x @ c.transpose(-1, -2)).reshape(b, h, n, g) / tau
 
 
 def top_groups(s: torch.Tensor, k: int) -> torch.Tensor:

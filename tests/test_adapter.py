@@ -100,6 +100,50 @@ def test_generate_with_kv_cache_equals_recomputing_the_prefix(arch):
     assert maxdiff(torch.stack(scores, 1), full) <= 1e-4
 
 
+@torch.no_grad()
+def test_decode_reads_group_lists_and_matches_reference_across_caches(monkeypatch):
+    """generate() (batch 2, no padding, prompt <= 16 tokens: nothing compiles) takes the O(selected keys) decode path
+    at every Focus call, equals the dense reference token for token, and each new cache gets its own key index."""
+    from focus_flex import attention
+
+    model = tiny("llama")
+    adapter = FocusAdapter.for_model(model, CFG).attach(model)
+    calls = []
+    indexed = attention.indexed_attention
+    monkeypatch.setattr(attention, "indexed_attention", lambda *a, **k: calls.append(a[2].shape[2]) or indexed(*a, **k))
+    kw = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    prompts = [ids(2, 12, seed=1), ids(2, 9, seed=2)]
+    fast = [model.generate(p, **kw) for p in prompts]  # a second generate(): a new cache, a new index
+    assert len(calls) == 2 * 20 * 2 and max(calls) == 31  # every layer at every step; the cache outgrew the window
+    adapter.mode = "reference"
+    for p, got in zip(prompts, fast, strict=True):
+        ref = model.generate(p, **kw)
+        assert torch.equal(got.sequences, ref.sequences)
+        assert maxdiff(torch.stack(got.logits), torch.stack(ref.logits)) <= 1e-4
+
+
+@torch.no_grad()
+def test_key_index_follows_interleaved_caches():
+    """Two KV caches stepped alternately (and one of them rewound) each see their own keys' routing."""
+    from transformers import DynamicCache
+
+    model = tiny("llama")
+    adapter = FocusAdapter.for_model(model, CFG).attach(model)
+    x = ids(1, 40, seed=3)
+    y = ids(1, 40, seed=4)
+    caches = [DynamicCache(config=model.config), DynamicCache(config=model.config)]
+    fast = [[], []]
+    for t in range(0, 40, 5):  # 5 tokens a step (the few-queries path), alternating caches
+        for j, z in enumerate((x, y)):
+            fast[j].append(model(z[:, t:t + 5], past_key_values=caches[j], use_cache=True).logits)
+    caches[0].crop(-20)  # rewind to 20 tokens: the index must be rebuilt, not appended to
+    again = model(x[:, 20:25], past_key_values=caches[0], use_cache=True).logits
+    adapter.mode = "reference"
+    for j, z in enumerate((x, y)):
+        assert maxdiff(torch.cat(fast[j], 1), model(z).logits) <= 1e-4
+    assert maxdiff(again, model(x[:, :25]).logits[:, 20:]) <= 1e-4
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @torch.no_grad()
 def test_left_padded_batch_equals_unpadded_sequences(arch):
@@ -233,3 +277,32 @@ def test_real_smollm2_one_liner_and_fast_path_equals_reference(tmp_path):
     assert maxdiff(fast, ref) <= 1e-3 * ref.abs().max().item()
     adapter.detach(model)
     assert maxdiff(model(x).logits, fast) > 1e-2  # window 64 + groups is not full attention
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_real_smollm2_decode_equals_reference():
+    """SmolLM2 (real weights, first 4 layers): a prompt fed 16 tokens at a time, then greedy decoding, all on the
+    O(selected keys) path (nothing compiles), matches the dense reference step for step."""
+    from focus_flex.data import load_documents
+    from focus_flex.models import load_model
+
+    model, tok = load_model()
+    model.model.layers = model.model.layers[:4]
+    model.config.num_hidden_layers = 4
+    adapter = FocusAdapter.for_model(model, FocusConfig(num_groups=8, query_top_k=2, window=16, sink_tokens=4))
+    adapter.attach(model)
+    x = tok(load_documents(split="eval")[0][:2000], return_tensors="pt").input_ids[:, :96]
+    logits = {}
+    for mode in ("fast", "reference"):
+        adapter.mode = mode
+        cache = None
+        for t in range(0, 96, 16):
+            out = model(x[:, t:t + 16], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+        steps = [out.logits[:, -1]]
+        for _ in range(24):
+            out = model(steps[-1].argmax(-1, keepdim=True), past_key_values=cache, use_cache=True)
+            steps.append(out.logits[:, -1])
+        logits[mode] = torch.stack(steps)
+    assert maxdiff(logits["fast"], logits["reference"]) <= 1e-3 * logits["reference"].abs().max().item()

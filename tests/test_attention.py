@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from focus_flex import FocusConfig, focus_attention, reference_attention, soft_attention
+from focus_flex import FocusConfig, focus_attention, reference_attention, routing, soft_attention
 from focus_flex.attention import bucket, causal_blocks, focus_pattern, plan_attention
+from focus_flex.decode import KeyIndex
 
 
 def make(b, hq, hkv, lq, lk, d=16, g=4, dtype=torch.float32, seed=0, pad=0):
@@ -61,6 +62,68 @@ def test_fast_path_matches_reference_bf16():
     out = focus_attention(q, k, v, c, cfg, attention_mask=mask)
     assert out.dtype == torch.bfloat16
     assert max_diff(out, ref) <= 2e-2
+
+
+DECODE_CASES = [
+    # (B, Hq, Hkv, top-k q, top-k k, window, sinks, groups)
+    (1, 9, 3, 1, 1, 16, 4, 8),  # SmolLM2's GQA 9/3
+    (2, 4, 2, 2, 1, 8, 0, 4),  # batch 2, top-2 queries, no sinks
+    (1, 2, 2, 3, 2, 8, 3, 4),  # top-3 / top-2: a far key in several groups counts once
+    (2, 4, 1, 2, 2, 500, 1, 4),  # window larger than the cache, MQA
+    (1, 4, 4, 1, 1, 1, 0, 16),  # window 1: a query sees itself and its group only
+]
+
+
+def decode_steps(b, hq, hkv, cfg, dtype=torch.float32, n=150, prefix=37):
+    """A decode loop on a growing KV cache (steps of 1 to 16 queries): yields (q, k, v, index) at every step."""
+    gen = torch.Generator().manual_seed(0)
+    c = torch.randn(hkv, cfg.num_groups, 16, generator=gen)
+    q, k, v = (torch.randn(b, h, n, 16, generator=gen).to(dtype) for h in (hq, hkv, hkv))
+    index = KeyIndex(b, hkv, cfg.num_groups, "cpu")
+    index.extend(k[:, :, :prefix], c, cfg)
+    end, sizes = prefix, [1, 3, 1, 16, 1, 2]
+    while end < n:
+        start, end = end, min(n, end + sizes[end % len(sizes)])
+        index.extend(k[:, :, start:end], c, cfg)
+        yield c, q[:, :, start:end], k[:, :, :end], v[:, :, :end], index
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[str(c) for c in DECODE_CASES])
+def test_indexed_decode_matches_reference_over_many_steps(case, monkeypatch):
+    from focus_flex import attention, decode
+
+    b, hq, hkv, kq, kk, w, s, g = case
+    cfg = FocusConfig(num_groups=g, query_top_k=kq, key_top_k=kk, window=w, sink_tokens=s)
+    monkeypatch.setattr(attention, "_few_queries_attention", None)  # the O(Lk) path must not run
+    monkeypatch.setattr(decode, "APPEND_CHUNK", 5)  # longer extensions go in several chunks
+    steps = 0
+    for c, q, k, v, index in decode_steps(b, hq, hkv, cfg):
+        out = focus_attention(q, k, v, c, cfg, key_index=index)
+        assert max_diff(out, reference_attention(q, k, v, c, cfg)) <= 1e-4
+        steps += 1
+    assert steps > 20
+    # The index holds every key's routing, and each group's list holds exactly its keys in order.
+    member = routing.hard_membership(k, c, cfg.tau, kk)
+    assert torch.equal(index.member.long(), member)
+    for g_ in range(g):
+        for i in range(b):
+            for h in range(hkv):
+                keys = ((member[i, h] >> g_) & 1).nonzero()[:, 0]
+                assert torch.equal(index.lists[i, h, g_, :index.counts[i, h, g_]].long(), keys)
+
+
+def test_indexed_decode_bf16_and_padding_fallback():
+    cfg = FocusConfig(num_groups=4, query_top_k=2, window=8, sink_tokens=2)
+    for c, q, k, v, index in decode_steps(2, 4, 2, cfg, dtype=torch.bfloat16, n=80):
+        ref = reference_attention(q.float(), k.float(), v.float(), c, cfg)
+        assert max_diff(focus_attention(q, k, v, c, cfg, key_index=index), ref) <= 2e-2
+    mask = torch.ones(2, k.shape[2], dtype=torch.bool)
+    mask[0, :5] = False  # padding: positions are no longer cache indices, the general path takes over
+    q, k, v = q.float(), k.float(), v.float()
+    out = focus_attention(q, k, v, c, cfg, attention_mask=mask, key_index=index)
+    assert max_diff(out, reference_attention(q, k, v, c, cfg, attention_mask=mask)) <= 1e-4
+    with pytest.raises(ValueError, match="key_index"):
+        focus_attention(q, k[:, :, :-1], v[:, :, :-1], c, cfg, key_index=index)
 
 
 def test_groups_actually_matter():
@@ -144,7 +207,7 @@ def test_block_masks_are_sparse_for_balanced_groups():
     c = torch.nn.functional.normalize(torch.randn(1, g, d, generator=gen), dim=-1)
     labels = torch.randint(0, g, (n,), generator=gen)
     k = (c[0, labels] * 4 + torch.randn(n, d, generator=gen) * 0.5)[None, None]
-    cfg = FocusConfig(num_groups=g, window=256, sink_tokens=4)
+    cfg = FocusConfig(num_groups=g, window=256, sink_tokens=4, block_size=128)
     plan = plan_attention(k, k, c, cfg, valid=torch.ones(1, n, dtype=torch.bool))
     dens = plan.density(causal_blocks(n, 128))
     assert dens["far"] < 2.5 / g and dens["local"] < 0.1, dens
