@@ -21,7 +21,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from focus_flex import hub
+from focus_flex import FocusAdapter, hub
 from focus_flex.config import CONFIG_NAME, WEIGHTS_NAME, FocusConfig
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -533,3 +533,23 @@ def test_focus_adapter_for_another_base_model(hub_server, tmp_path):
     # Other shapes: refused.
     with pytest.raises(ValueError, match="does not fit"):
         loaded.attach(tiny_llama("org/tiny-llama-mqa", num_key_value_heads=1))
+
+
+def test_published_default_adapter_is_a_ready_to_push_repo():
+    """hub/smollm2-135m-instruct-focus: the adapter `focus-flex retrofit` trained on the defaults, with its card."""
+    folder = os.path.join(os.path.dirname(__file__), os.pardir, "hub", "smollm2-135m-instruct-focus")
+    config, table = hub.validate_adapter_folder(folder)
+    adapter = FocusAdapter.from_pretrained(folder)
+    assert config.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and config.model_type == "llama"
+    assert tuple(adapter.centroids.shape) == (30, 3, 16, 64) and table["centroids"]["shape"] == [30, 3, 16, 64]
+    assert torch.allclose(adapter.centroids.norm(dim=-1), torch.ones(()), atol=1e-4)  # trained, unit-norm
+    card = open(os.path.join(folder, "README.md"), encoding="utf-8").read()
+    meta = _front_matter(card)
+    assert meta["library_name"] == "focus_flex" and meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert "focus-flex retrofit" in card and "perplexity_vs_density.png" in card
+    results = json.load(open(os.path.join(folder, "results.json"), encoding="utf-8"))
+    modes = {r["mode"]: r for r in results["results"]}
+    assert set(modes) == {"full", "focus", "soft", "window", "random"}
+    assert modes["focus"]["density"] <= 0.25 and config.extra["results"]["focus"]["perplexity"] == pytest.approx(
+        modes["focus"]["perplexity"], rel=1e-3)
+    assert os.path.isfile(os.path.join(folder, "perplexity_vs_density.png"))
