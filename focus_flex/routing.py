@@ -25,8 +25,11 @@ def scores(x: torch.Tensor, centroids: torch.Tensor, tau: float) -> torch.Tensor
 
 
 def top_groups(s: torch.Tensor, k: int) -> torch.Tensor:
-    """Hard groups: indices of the k highest scores, ``[..., G]`` -> ``[..., k]`` (int64)."""
-    return s.topk(k, dim=-1).indices
+    """Hard groups: indices of the k highest scores, ``[..., G]`` -> ``[..., k]`` (int64).
+
+    Every path routes through here, so ties break the same way everywhere (top-1: argmax, ~4x faster than topk).
+    """
+    return s.argmax(-1, keepdim=True) if k == 1 else s.topk(k, dim=-1).indices
 
 
 def membership(groups: torch.Tensor) -> torch.Tensor:
