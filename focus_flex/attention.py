@@ -66,8 +66,7 @@ def token_positions(valid: torch.Tensor) -> torch.Tensor:
 
 def groups_from_membership(member: torch.Tensor, k: int, num_groups: int) -> torch.Tensor:
     """Inverse of :func:`routing.membership`: bitmask ``[...]`` -> the k group ids ``[..., k]``."""
-    bits = (member.unsqueeze(-1) >> torch.arange(num_groups, device=member.device)) & 1
-    return bits.topk(k, dim=-1).indices
+    return routing.member_bits(member, num_groups).topk(k, dim=-1).indices
 
 
 def focus_pattern(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, config: FocusConfig, *,

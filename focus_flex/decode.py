@@ -70,7 +70,7 @@ class KeyIndex:
         n = member.shape[2]
         self._member = _grow(self._member, self.length + n, 0)
         self._member[:, :, self.length:self.length + n] = member
-        bits = (member[..., None] >> torch.arange(self.num_groups, device=member.device)) & 1  # [B, Hkv, L, G]
+        bits = routing.member_bits(member, self.num_groups)  # [B, Hkv, L, G]
         slot = bits.cumsum(2).add_(self.counts[:, :, None, :] - 1)  # list slot of each key in each of its groups
         self.counts += bits.sum(2)
         self.lists = _grow(self.lists, int(self.counts.max()), _END)

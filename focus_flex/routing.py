@@ -37,6 +37,11 @@ def membership(groups: torch.Tensor) -> torch.Tensor:
     return (torch.ones_like(groups) << groups).sum(-1)  # top-k indices are distinct, so sum == OR
 
 
+def member_bits(member: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """Inverse of :func:`membership`: bitmask ``[...]`` -> 0/1 indicator ``[..., G]`` (same integer dtype)."""
+    return (member.unsqueeze(-1) >> torch.arange(num_groups, device=member.device)) & 1
+
+
 def hard_membership(x: torch.Tensor, centroids: torch.Tensor, tau: float, k: int) -> torch.Tensor:
     """Bitmask of the top-k groups of every vector: ``[B, H, L, D]`` -> ``[B, H, L]`` int64."""
     return membership(top_groups(scores(x, centroids, tau), k))
@@ -81,7 +86,7 @@ def group_balance(member: torch.Tensor, num_groups: int, valid: torch.Tensor | N
 
     member: int64 bitmask ``[B, H, L]``; valid: optional bool ``[B, L]`` of real tokens.
     """
-    bits = (member.unsqueeze(-1) >> torch.arange(num_groups, device=member.device)) & 1
+    bits = member_bits(member, num_groups)
     if valid is not None:
         bits = bits * valid[:, None, :, None]
     sizes = bits.sum(-2).float()
