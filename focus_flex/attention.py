@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from focus_flex import routing
+from focus_flex import flash, routing
 from focus_flex.config import FocusConfig
 from focus_flex.decode import KeyIndex, indexed_attention
 from focus_flex.masks import block_density, far_mask_mod, local_mask_mod, range_block_mask
@@ -545,15 +545,17 @@ def _merge(loc: tuple[torch.Tensor, ...], far: tuple[torch.Tensor, ...], lay: Fa
 
 def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
                     config: FocusConfig, *, attention_mask: torch.Tensor | None = None, scale: float | None = None,
-                    key_index: KeyIndex | None = None) -> torch.Tensor:
-    """The fast path: same result as :func:`reference_attention`, on compiled FlexAttention.
+                    key_index: KeyIndex | None = None, kernel: str | None = None) -> torch.Tensor:
+    """The fast path: same result as :func:`reference_attention`.
 
-    Prefill: a local call (window + sinks, tokens in order) and a far call (copies sorted by group),
-    both block-sparse, merged exactly through their log-sum-exps. Decode (Lq <= 16): the allowed keys
-    are gathered (window + sinks + same-group keys). ``key_index`` (:class:`~focus_flex.decode.KeyIndex`)
-    is the key routing a KV cache already computed for exactly these keys: with it and no padding, decode
-    reads its per-group key lists and costs O(selected keys); otherwise decode is O(Lk). Inference only:
-    compiled flex has no backward on CPU; train with :func:`soft_attention`.
+    Prefill: a local part (window + sinks, tokens in order) and a far part (copies sorted by group), merged exactly
+    through their log-sum-exps. ``kernel`` runs them as block-sparse compiled FlexAttention (``"flex"``) or as chunks
+    of PyTorch's CPU flash attention (``"flash"``, :mod:`focus_flex.flash`: on CPU it computes a pair ~3x faster than
+    compiled flex); None picks ``"flash"`` on CPU where it applies (query or key top-k 1), else ``"flex"``.
+    Decode (Lq <= 16): the allowed keys are gathered (window + sinks + same-group keys). ``key_index``
+    (:class:`~focus_flex.decode.KeyIndex`) is the key routing a KV cache already computed for exactly these keys:
+    with it and no padding, decode reads its per-group key lists and costs O(selected keys); otherwise decode is
+    O(Lk). Inference only: compiled flex has no backward on CPU; train with :func:`soft_attention`.
     """
     valid = check_inputs(q, k, v, centroids, config, attention_mask)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -561,6 +563,11 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
     if key_index is not None and key_index.member.shape != k.shape[:3]:
         raise ValueError(f"key_index routes keys [B, Hkv, Lk] = {tuple(key_index.member.shape)}, but k is "
                          f"{tuple(k.shape[:3])}")
+    if kernel not in (None, "flex", "flash"):
+        raise ValueError(f"kernel={kernel!r}: use 'flex', 'flash' or None (automatic)")
+    if kernel == "flash" and not flash.supported(q, config):
+        raise ValueError(f"kernel='flash' needs CPU tensors (got {q.device.type}) and top-k 1 for queries or keys "
+                         f"(got {config.query_top_k} and {config.key_top_k}); use kernel='flex'")
     k_member = None if key_index is None else key_index.member
     if lq <= DECODE_MAX_QUERIES:
         with small_work(q.device):
@@ -568,6 +575,11 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
                 return indexed_attention(q, k, v, centroids, config, key_index, scale)
             return _few_queries_attention(q, k, v, centroids, config, valid, k_member, scale)
 
+    if kernel == "flash" or (kernel is None and flash.supported(q, config)):
+        q_groups = routing.top_groups(routing.scores(q, centroids, config.tau), config.query_top_k)
+        k_groups = (routing.top_groups(routing.scores(k, centroids, config.tau), config.key_top_k)
+                    if k_member is None else groups_from_membership(k_member, config.key_top_k, config.num_groups))
+        return flash.flash_attention(q, k, v, q_groups, k_groups, valid, config, scale)
     k_groups = None
     if k_member is not None:
         k_groups = groups_from_membership(k_member, config.key_top_k, config.num_groups)

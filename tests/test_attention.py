@@ -1,10 +1,12 @@
 """The fast path and the soft path against the one definition of Focus (`reference_attention`)."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from focus_flex import FocusConfig, focus_attention, reference_attention, routing, soft_attention
+from focus_flex import FocusConfig, flash, focus_attention, reference_attention, routing, soft_attention
 from focus_flex.attention import bucket, causal_blocks, focus_pattern, plan_attention
 from focus_flex.decode import KeyIndex
 
@@ -41,13 +43,21 @@ CASES = [
 ]
 
 
+KERNELS = ["flex", "flash"]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
-def test_fast_path_matches_reference_fp32(case):
+def test_fast_path_matches_reference_fp32(case, kernel):
     b, hq, hkv, lq, lk, kq, kk, w, s, pad = case
     cfg = FocusConfig(num_groups=4, query_top_k=kq, key_top_k=kk, window=w, sink_tokens=s, block_size=32)
     q, k, v, c, mask = make(b, hq, hkv, lq, lk, pad=pad)
     ref = reference_attention(q, k, v, c, cfg, attention_mask=mask)
-    out = focus_attention(q, k, v, c, cfg, attention_mask=mask)
+    if kernel == "flash" and kq > 1 and kk > 1:  # a pair could share two groups: only flex handles it
+        with pytest.raises(ValueError, match="kernel='flex'"):
+            focus_attention(q, k, v, c, cfg, attention_mask=mask, kernel=kernel)
+        return
+    out = focus_attention(q, k, v, c, cfg, attention_mask=mask, kernel=kernel)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert max_diff(out, ref) <= 1e-4
     if pad:  # padded query rows are zeros
@@ -55,13 +65,39 @@ def test_fast_path_matches_reference_fp32(case):
         assert out[~real_q].abs().sum() == 0 and out[real_q].abs().sum() > 0
 
 
-def test_fast_path_matches_reference_bf16():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_fast_path_matches_reference_bf16(kernel):
     cfg = FocusConfig(num_groups=4, query_top_k=2, window=16, sink_tokens=2, block_size=32)
     q, k, v, c, mask = make(2, 4, 2, 77, 77, dtype=torch.bfloat16, pad=13)
     ref = reference_attention(q.float(), k.float(), v.float(), c, cfg, attention_mask=mask)
-    out = focus_attention(q, k, v, c, cfg, attention_mask=mask)
+    out = focus_attention(q, k, v, c, cfg, attention_mask=mask, kernel=kernel)
     assert out.dtype == torch.bfloat16
     assert max_diff(out, ref) <= 2e-2
+
+
+FLASH_CASES = [
+    # (B, Hq, Hkv, Lq, Lk, top-k q, top-k k, window, sinks, pad, groups)
+    (2, 6, 2, 700, 700, 1, 1, 40, 4, 37, 8),  # many local and far chunks, left and right padding
+    (1, 3, 1, 300, 650, 2, 1, 64, 3, 0, 4),  # chunked prefill, a query in two groups
+    (1, 2, 1, 600, 600, 1, 3, 256, 4, 0, 8),  # a key in three groups, SmolLM2's window
+    (1, 2, 2, 500, 500, 1, 1, 7, 0, 0, 16),  # no sinks, a window smaller than a chunk
+]
+
+
+@pytest.mark.parametrize("chunks", [(16, 8), (128, 256)], ids=["tiny chunks", "default chunks"])
+@pytest.mark.parametrize("case", FLASH_CASES, ids=[str(c) for c in FLASH_CASES])
+def test_flash_kernel_over_many_chunks(case, chunks, monkeypatch):
+    """The flash kernel's chunking (first chunks near the sinks, staircase tails of far chunks) is exact."""
+    monkeypatch.setattr(flash, "LOCAL_CHUNK", chunks[0])
+    monkeypatch.setattr(flash, "FAR_CHUNK", chunks[1])
+    b, hq, hkv, lq, lk, kq, kk, w, s, pad, g = case
+    cfg = FocusConfig(num_groups=g, query_top_k=kq, key_top_k=kk, window=w, sink_tokens=s)
+    q, k, v, c, mask = make(b, hq, hkv, lq, lk, g=g, pad=pad, seed=1)
+    ref = reference_attention(q, k, v, c, cfg, attention_mask=mask)
+    assert max_diff(focus_attention(q, k, v, c, cfg, attention_mask=mask, kernel="flash"), ref) <= 1e-4
+    out = focus_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), c, cfg, kernel="flash")
+    ref = reference_attention(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), c, cfg)
+    assert out.dtype == torch.bfloat16 and max_diff(out, ref) <= 2e-2
 
 
 DECODE_CASES = [
@@ -138,21 +174,21 @@ def test_groups_actually_matter():
     assert max_diff(reference_attention(q, k, v, c, cfg), full) > 1e-2
 
 
-@pytest.mark.parametrize("path", ["reference", "fast"])
+@pytest.mark.parametrize("path", ["reference", "flex", "flash"])
 def test_window_covering_sequence_is_full_causal_attention(path):
     cfg = FocusConfig(num_groups=4, window=128, sink_tokens=0, block_size=32)
     q, k, v, c, _ = make(2, 4, 2, 100, 100)
-    fn = reference_attention if path == "reference" else focus_attention
+    fn = reference_attention if path == "reference" else functools.partial(focus_attention, kernel=path)
     full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     assert max_diff(fn(q, k, v, c, cfg), full) <= 1e-5
 
 
-@pytest.mark.parametrize("path", ["fast", "soft"])
+@pytest.mark.parametrize("path", ["flex", "flash", "soft"])
 def test_causality(path):
     """Changing tokens after position t never changes outputs at positions <= t."""
     cfg = FocusConfig(num_groups=4, query_top_k=2, window=8, sink_tokens=2, block_size=32)
     q, k, v, c, _ = make(1, 4, 2, 96, 96)
-    fn = focus_attention if path == "fast" else soft_attention
+    fn = soft_attention if path == "soft" else functools.partial(focus_attention, kernel=path)
     before = fn(q, k, v, c, cfg)
     t = 50
     q2, k2, v2 = q.clone(), k.clone(), v.clone()
@@ -192,11 +228,12 @@ def test_no_recompiles_when_length_changes_within_a_bucket():
     cfg = FocusConfig(num_groups=4, window=16, sink_tokens=2, block_size=32)
     assert bucket(97, 32) == bucket(128, 32)
     q, k, v, c, _ = make(1, 4, 2, 128, 128, seed=3)
-    focus_attention(q, k, v, c, cfg)  # warm-up: compiles this bucket
+    focus_attention(q, k, v, c, cfg, kernel="flex")  # warm-up: compiles this bucket
     graphs = counters["stats"]["unique_graphs"]
     for n in (97, 101, 110, 128, 123):
         qn, kn, vn = q[:, :, :n], k[:, :, :n], v[:, :, :n]
-        assert max_diff(focus_attention(qn, kn, vn, c, cfg), reference_attention(qn, kn, vn, c, cfg)) <= 1e-4
+        out = focus_attention(qn, kn, vn, c, cfg, kernel="flex")
+        assert max_diff(out, reference_attention(qn, kn, vn, c, cfg)) <= 1e-4
     assert counters["stats"]["unique_graphs"] == graphs, "a new length recompiled the kernels"
 
 
@@ -229,6 +266,8 @@ def test_bad_inputs_have_clear_errors():
         focus_attention(q.double(), k, v, c, cfg)
     with pytest.raises(TypeError, match="additive"):
         focus_attention(q, k, v, c, cfg, attention_mask=torch.zeros(1, 20))
+    with pytest.raises(ValueError, match="kernel='triton'"):
+        focus_attention(q, k, v, c, cfg, kernel="triton")
 
 
 def test_config_round_trip_and_validation(tmp_path):
