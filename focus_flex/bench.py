@@ -3,15 +3,18 @@
 Sections (``--sections``):
 
 * ``op`` — one attention layer of SmolLM2's shape (9 query / 3 KV heads, head dim 64), per length and dtype:
-  Focus vs causal SDPA, compiled FlexAttention (causal) and window-only attention (Focus' own local call: sliding
-  window + sinks); block density, the ideal speedup (causal blocks / computed blocks), the fraction of it achieved,
-  and the share of routing + mask building. Routing is balanced: queries and keys are drawn around the centroids.
-* ``prefill`` — SmolLM2 end to end (``logits_to_keep=1``): Focus vs SDPA, plus the block density of real routing.
+  Focus (the default kernel: ``flash`` on CPU) vs causal SDPA, Focus on the ``flex`` kernel, compiled FlexAttention
+  (causal) and window-only attention (the default kernel's local part: sliding window + sinks); block density, the
+  ideal speedup (causal blocks / computed blocks), the fraction of it achieved, the pair density, and the share of
+  routing + planning (the flash kernel's sorts; the flex kernel's block masks). Routing is balanced: queries and
+  keys are drawn around the centroids.
+* ``prefill`` — SmolLM2 end to end (``logits_to_keep=1``): Focus vs SDPA, plus the pair density of real routing.
 * ``decode`` — tokens/s on a KV cache of each length: Focus vs SDPA (one process per method). The cache holds a real
   2K-token prefill's keys/values tiled to the length, in a preallocated cache (transformers' ``DynamicCache``
   re-concatenates the whole cache every step, which would dominate both methods alike).
 * ``memory`` — the peak RSS of every Focus / SDPA measurement above.
-* ``compile`` — first-call compile time (cold and warm inductor cache) and recompiles while lengths vary.
+* ``compile`` — the flex kernel's first-call compile time (cold inductor cache) and recompiles while lengths vary
+  (the flash kernel compiles nothing).
 
 Every configuration runs in a fresh subprocess (``python -m focus_flex.bench _worker SPEC``). There each method is
 warmed up, then timed ``repeats`` times alternating with its baseline (min and median reported; a method stops
@@ -233,13 +236,23 @@ def check_correctness(focus: dict[str, Any]) -> list[dict[str, Any]]:
             if name == "decode, key index":  # what a KV cache hands the few-queries path: O(selected keys)
                 index = KeyIndex(b, HKV, cfg.num_groups, k.device)
                 index.extend(k, c, cfg)
-            got = attention.focus_attention(q, k, v, c, cfg, attention_mask=mask, key_index=index)
-            err = (got.float() - ref).abs().max().item()
-            out.append({"case": name, "dtype": dtype, "max_abs_diff": err, "tolerance": TOLERANCE[dtype]})
-            if not err <= TOLERANCE[dtype]:
-                raise BenchError(f"the fast path is wrong ({name}, {dtype}): max |focus - reference| = {err:.3g} > "
-                                 f"{TOLERANCE[dtype]}; refusing to benchmark it")
+            kernels = [None] if lq <= attention.DECODE_MAX_QUERIES else _kernels(cfg)
+            for kernel in kernels:
+                got = attention.focus_attention(q, k, v, c, cfg, attention_mask=mask, key_index=index, kernel=kernel)
+                err = (got.float() - ref).abs().max().item()
+                case = name if kernel is None else f"{name}, {kernel} kernel"
+                out.append({"case": case, "dtype": dtype, "max_abs_diff": err, "tolerance": TOLERANCE[dtype]})
+                if not err <= TOLERANCE[dtype]:
+                    raise BenchError(f"the fast path is wrong ({case}, {dtype}): max |focus - reference| = {err:.3g} "
+                                     f"> {TOLERANCE[dtype]}; refusing to benchmark it")
     return out
+
+
+def _kernels(cfg: Any) -> list[str]:
+    """The prefill kernels that run here: flex always, flash on CPU when the config allows it."""
+    from focus_flex import flash
+
+    return ["flex", "flash"] if flash.supported(torch.empty(0), cfg) else ["flex"]
 
 
 # ---- measuring -----------------------------------------------------------------------------------
@@ -317,7 +330,7 @@ def balanced_inputs(n: int, dtype: torch.dtype, groups: int, seed: int = 0) -> t
 
 
 def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    from focus_flex import attention, masks
+    from focus_flex import attention, flash, masks, routing
     from focus_flex.config import FocusConfig
 
     n, dtype = spec["n"], getattr(torch, spec["dtype"])
@@ -327,30 +340,46 @@ def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
     valid = torch.ones(1, n, dtype=torch.bool)
     scale = HEAD_DIM ** -0.5
     threads = torch.get_num_threads()
+    kernel = "flash" if "flash" in _kernels(cfg) else "flex"
+    rep = HQ // HKV
 
     def focus() -> torch.Tensor:
         return attention.focus_attention(q, k, v, c, cfg)
 
+    def focus_flex() -> torch.Tensor:
+        return attention.focus_attention(q, k, v, c, cfg, kernel="flex")
+
     def sdpa() -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
-    def window() -> torch.Tensor:  # window + sinks only: Focus' local call on its own
+    def window() -> Any:  # window + sinks only: the default kernel's local part on its own
+        if kernel == "flash":
+            return [flash.local_part(q[0, j * rep:(j + 1) * rep], k[0, j], v[0, j], 0, cfg, scale) for j in range(HKV)]
         with attention._threads(1):
             lay = attention._plan_local(valid, n, cfg)
             out, real, _ = attention._local_call(q, k, v, lay, cfg, scale, threads)
             return out[..., :HEAD_DIM] / real[..., None]
 
-    def plan() -> attention.FocusPlan:  # routing + both block masks, as the fast path runs it
-        with attention._threads(1):
-            return attention.plan_attention(q, k, c, cfg, valid=valid)
+    def plan() -> Any:  # routing + planning, as the default kernel runs them
+        if kernel == "flex":
+            with attention._threads(1):
+                return attention.plan_attention(q, k, c, cfg, valid=valid)
+        qg = routing.top_groups(routing.scores(q, c, cfg.tau), cfg.query_top_k)
+        kg = routing.top_groups(routing.scores(k, c, cfg.tau), cfg.key_top_k)
+        return [flash.far_plan(qg[0, j * rep:(j + 1) * rep], kg[0, j], 0, cfg) for j in range(HKV)]
 
-    res: dict[str, Any] = {"n": n, "dtype": spec["dtype"], "threads": threads}
+    res: dict[str, Any] = {"n": n, "dtype": spec["dtype"], "threads": threads, "kernel": kernel}
     F.scaled_dot_product_attention(q[:, :, :256], k[:, :, :256], v[:, :, :256], is_causal=True, enable_gqa=True)
     t = time.perf_counter()
-    focus()  # compiles this length's bucket
+    focus()
     res["first_call_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    focus_flex()  # compiles this length's bucket
+    res["flex_first_call_s"] = time.perf_counter() - t
     window()
-    methods = {"focus": focus, "sdpa": sdpa, "window": window}
+    methods = {"focus": focus, "sdpa": sdpa, "focus_flex": focus_flex, "window": window}
+    if kernel == "flex":
+        del methods["focus_flex"]
     if spec.get("flex_causal"):
         ranges = torch.arange(-(-n // 128))[None, None]
         causal_mask = masks.range_block_mask(torch.ones_like(ranges, dtype=torch.bool), 0, ranges * 0, ranges + 1,
@@ -368,18 +397,18 @@ def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
     res["times"] = _measure(methods, spec["repeats"], spec["max_seconds"], peak=("focus", "sdpa"))
     res["plan"] = _measure({"plan": plan}, spec["repeats"], spec["max_seconds"])["plan"]
     res["recompiles_after_warmup"] = _unique_graphs() - graphs
-    p = plan()
+    p = attention.plan_attention(q, k, c, cfg, valid=valid)  # the block-sparse limit, whichever kernel runs
     res["density"] = p.density(attention.causal_blocks(n, bs))
-    res["pair_density"] = _pair_density(p, n, cfg)
+    res["pair_density"] = pair_density(n, cfg, float((p.far.hi - p.far.lo).sum()) / HQ)
     return res
 
 
-def _pair_density(p: Any, n: int, cfg: Any) -> float:
-    """Allowed (query, key) pairs over causal pairs, per head: the sparsity limit, independent of tiling."""
+def pair_density(n: int, cfg: Any, far_pairs: float) -> float:
+    """Allowed (query, key) pairs over causal pairs for n tokens, given the far pairs per query head: the sparsity
+    limit, independent of tiling."""
     pos = torch.arange(n)
     local = torch.minimum(pos + 1, torch.tensor(cfg.window)) + (pos - cfg.window + 1).clamp(0, cfg.sink_tokens)
-    far = (p.far.hi - p.far.lo).sum() / p.far.hi.shape[1]
-    return float((local.sum() + far) / (n * (n + 1) / 2))
+    return float((local.sum() + far_pairs) / (n * (n + 1) / 2))
 
 
 # ---- the real model ------------------------------------------------------------------------------
@@ -442,18 +471,27 @@ def _warm_focus(model: Any, adapter: Any, lq: int, lk: int) -> None:
 
 
 def _prefill_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    from focus_flex import attention
+    from focus_flex import attention, flash
 
     model, tokenizer, adapter = _load(spec)
     n = spec["n"]
     ids = _tokens(tokenizer, n)
-    densities: list[float] = []
-    plan_attention = attention.plan_attention
+    cfg = adapter.config
+    calls = model.config.num_hidden_layers * model.config.num_key_value_heads  # one far plan per layer and KV head
+    far_pairs: list[int] = []
+    far_plan, plan_attention = flash.far_plan, attention.plan_attention
 
-    def recording_plan(*args: Any, **kwargs: Any) -> Any:  # real routing's block density, first Focus call only
+    def recording_far_plan(*args: Any, **kwargs: Any) -> flash.FarPlan:  # real routing, first forward only
+        p = far_plan(*args, **kwargs)
+        far_pairs.append(p.pairs)
+        if len(far_pairs) == calls:
+            flash.far_plan = far_plan
+        return p
+
+    def recording_plan(*args: Any, **kwargs: Any) -> attention.FocusPlan:  # the same, for the flex kernel
         p = plan_attention(*args, **kwargs)
-        densities.append(p.density(attention.causal_blocks(n, adapter.config.block_size))["total"])
-        if len(densities) == model.config.num_hidden_layers:
+        far_pairs.append(int((p.far.hi - p.far.lo).sum()))
+        if len(far_pairs) == calls:
             attention.plan_attention = plan_attention
         return p
 
@@ -461,20 +499,23 @@ def _prefill_worker(spec: dict[str, Any]) -> dict[str, Any]:
         with torch.inference_mode():
             model(ids, use_cache=False, logits_to_keep=1)
 
-    res: dict[str, Any] = {"n": n, "model_dtype": spec["model_dtype"], "adapter": spec.get("adapter") or "k-means"}
+    res: dict[str, Any] = {"n": n, "model_dtype": spec["model_dtype"], "adapter": spec.get("adapter") or "k-means",
+                           "kernel": "flash" if "flash" in _kernels(cfg) else "flex"}
     with torch.inference_mode():
         model(ids[:, :64], use_cache=False, logits_to_keep=1)  # warm-up (SDPA needs no compilation)
     adapter.attach(model)
     t = time.perf_counter()
     _warm_focus(model, adapter, n, n)
     res["compile_s"] = time.perf_counter() - t
-    attention.plan_attention = recording_plan
+    flash.far_plan, attention.plan_attention = recording_far_plan, recording_plan
     times = _measure({"focus": forward, "sdpa": lambda: _as_sdpa(model, adapter, forward)}, spec["repeats"],
                      spec["max_seconds"], peak=("focus", "sdpa"))
-    attention.plan_attention = plan_attention
+    flash.far_plan, attention.plan_attention = far_plan, plan_attention
     res.update(times)
-    res["density"] = sum(densities) / max(len(densities), 1)
-    res["layers"] = len(densities)
+    hq = model.config.num_attention_heads
+    res["density"] = pair_density(n, cfg, sum(far_pairs) / max(len(far_pairs), 1) * model.config.num_key_value_heads
+                                  / hq)
+    res["layers"] = len(far_pairs) // model.config.num_key_value_heads
     return res
 
 
@@ -560,19 +601,19 @@ def _compile_worker(spec: dict[str, Any]) -> dict[str, Any]:
     q, k, v, c = balanced_inputs(4096, dtype, cfg.num_groups)
     res: dict[str, Any] = {"dtype": spec["dtype"]}
     t = time.perf_counter()
-    attention.focus_attention(q, k, v, c, cfg)
+    attention.focus_attention(q, k, v, c, cfg, kernel="flex")
     res["first_call_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    attention.focus_attention(q, k, v, c, cfg)
+    attention.focus_attention(q, k, v, c, cfg, kernel="flex")
     res["steady_call_s"] = time.perf_counter() - t
     lengths = [int(x) for x in torch.randint(1025, 4097, (10,), generator=torch.Generator().manual_seed(1))]
     g0 = _unique_graphs()
     for n in lengths:  # warm-up pass: compiles each new bucket once
-        attention.focus_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], c, cfg)
+        attention.focus_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], c, cfg, kernel="flex")
     g1 = _unique_graphs()
     extra = [n - 7 for n in lengths if attention.bucket(n - 7, cfg.block_size) == attention.bucket(n, cfg.block_size)]
     for n in reversed(lengths + extra):
-        attention.focus_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], c, cfg)
+        attention.focus_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], c, cfg, kernel="flex")
     res.update({"lengths": lengths, "buckets": sorted({attention.bucket(n, cfg.block_size) for n in lengths}),
                 "compiles_in_warmup": g1 - g0, "recompiles_after_warmup": _unique_graphs() - g1})
     return res
@@ -595,11 +636,13 @@ def _op_row(r: dict[str, Any]) -> dict[str, Any]:
     t = r["times"]
     f, s = t["focus"]["min"], t["sdpa"]["min"]
     ideal = 1 / r["density"]["total"]
-    row = {"dtype": r["dtype"], "n": r["n"], "focus": f, "sdpa": s, "speedup": s / f, "ideal": ideal,
-           "fraction": s / f / ideal, "plan": r["plan"]["min"], "plan_share": r["plan"]["min"] / f,
-           "window": t["window"]["min"], "density": r["density"], "first_call": r["first_call_s"]}
-    if "flex_causal" in t:
-        row["flex_causal"] = t["flex_causal"]["min"]
+    row = {"dtype": r["dtype"], "n": r["n"], "kernel": r.get("kernel", "flex"), "focus": f, "sdpa": s,
+           "speedup": s / f, "ideal": ideal, "fraction": s / f / ideal, "plan": r["plan"]["min"],
+           "plan_share": r["plan"]["min"] / f, "window": t["window"]["min"], "density": r["density"],
+           "pair_density": r.get("pair_density"), "first_call": r.get("flex_first_call_s", r["first_call_s"])}
+    for name in ("flex_causal", "focus_flex"):
+        if name in t:
+            row[name] = t[name]["min"]
     return row
 
 
@@ -619,7 +662,7 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 TARGETS["op_speedup_32k"])
         if row["n"] >= 16384:
             add(f"attention op >= 80% of ideal ({tag})", row["fraction"], TARGETS["ideal_fraction"])
-        add(f"routing + masks <= 10% of Focus ({tag})", row["plan_share"], TARGETS["plan_share"], higher=False)
+        add(f"routing + planning <= 10% of Focus ({tag})", row["plan_share"], TARGETS["plan_share"], higher=False)
     for r in results.get("prefill", []):
         if r["n"] >= 16384:
             add(f"prefill >= 2x SDPA (N={r['n']})", r["sdpa"]["min"] / r["focus"]["min"], TARGETS["prefill_16k"])
@@ -662,25 +705,33 @@ def to_markdown(results: dict[str, Any]) -> str:
     lines += [f"Correctness (checked in this run before timing): worst |fast - reference| = {worst:.2g} of the "
               "tolerance (1e-4 fp32, 2e-2 bf16).", ""]
     if results.get("op"):
+        kernels = sorted({_op_row(r)["kernel"] for r in results["op"]})
         lines += ["## Attention op (one SmolLM2 layer: 9 query / 3 KV heads, head dim 64, balanced routing)", "",
-                  "| dtype | N | Focus ms | SDPA ms | x SDPA | flex causal ms | x flex | window-only ms | "
-                  "block density (local+far) | ideal x | % of ideal | routing+masks ms (% of Focus) | first call s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  f"Focus runs the default kernel ({', '.join(kernels)}); `Focus flex` is the same attention on the "
+                  "block-sparse compiled-FlexAttention kernel. The ideal speedup is causal blocks / computed blocks "
+                  "of the block-sparse pattern; pair density is allowed pairs / causal pairs.", "",
+                  "| dtype | N | Focus ms | SDPA ms | x SDPA | Focus flex ms | flex causal ms | window-only ms | "
+                  "block density (local+far) | ideal x | % of ideal | pair density | routing+plan ms (% of Focus) | "
+                  "flex first call s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in map(_op_row, results["op"]):
-            d, fc = row["density"], row.get("flex_causal")
-            flex = f"{_ms(fc)} | {fc / row['focus']:.2f}" if fc else "- | -"
+            d = row["density"]
+            ff, fc = row.get("focus_flex"), row.get("flex_causal")
+            pd = row["pair_density"]
             lines.append(f"| {row['dtype']} | {row['n']} | {_ms(row['focus'])} | {_ms(row['sdpa'])} | "
-                         f"{row['speedup']:.2f} | {flex} | {_ms(row['window'])} | "
-                         f"{d['local']:.3f}+{d['far']:.3f}={d['total']:.3f} | {row['ideal']:.1f} | "
-                         f"{row['fraction']:.0%} | {_ms(row['plan'])} ({row['plan_share']:.0%}) | "
-                         f"{row['first_call']:.1f} |")
+                         f"{row['speedup']:.2f} | {_ms(ff) if ff else '-'} | {_ms(fc) if fc else '-'} | "
+                         f"{_ms(row['window'])} | {d['local']:.3f}+{d['far']:.3f}={d['total']:.3f} | "
+                         f"{row['ideal']:.1f} | {row['fraction']:.0%} | {f'{pd:.3f}' if pd else '-'} | "
+                         f"{_ms(row['plan'])} ({row['plan_share']:.0%}) | {row['first_call']:.1f} |")
         lines.append("")
     if results.get("prefill"):
         lines += ["## Prefill (SmolLM2-135M end to end, `logits_to_keep=1`)", "",
-                  "| N | dtype | adapter | Focus s | SDPA s | x SDPA | real-routing block density | compile s |",
+                  "| N | dtype | adapter | kernel | Focus s | SDPA s | x SDPA | real-routing pair density | "
+                  "warm-up s |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in results["prefill"]:
-            lines.append(f"| {r['n']} | {r['model_dtype']} | {Path(r['adapter']).name} | {r['focus']['min']:.1f} | "
+            lines.append(f"| {r['n']} | {r['model_dtype']} | {Path(r['adapter']).name} | {r.get('kernel', 'flex')} | "
+                         f"{r['focus']['min']:.1f} | "
                          f"{r['sdpa']['min']:.1f} | {r['sdpa']['min'] / r['focus']['min']:.2f} | "
                          f"{r['density']:.3f} | {r['compile_s']:.1f} |")
         lines.append("")
@@ -699,7 +750,7 @@ def to_markdown(results: dict[str, Any]) -> str:
         lines.append("")
     if results.get("compile"):
         c = results["compile"]
-        lines += ["## Compilation", "",
+        lines += ["## Compilation (flex kernel)", "",
                   f"First call at N=4096 ({c['dtype']}, cold inductor cache): {c['first_call_s']:.1f} s "
                   f"(steady call {c['steady_call_s']:.2f} s). Ten random lengths in 1025..4096 compiled "
                   f"{c['compiles_in_warmup']} graph(s) for padded lengths {c['buckets']}; replaying them and other "
@@ -727,7 +778,8 @@ def plot(results: dict[str, Any], path: str | os.PathLike) -> None:
     fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(5.5 * max(len(panels), 1), 4.2), squeeze=False)
     for ax, (name, rows) in zip(axes[0], panels, strict=False):
         ns = [r["n"] for r in rows]
-        labels = {"focus": "Focus", "sdpa": "SDPA causal", "window": "window only", "flex_causal": "flex causal"}
+        labels = {"focus": "Focus", "focus_flex": "Focus, flex kernel", "sdpa": "SDPA causal",
+                  "window": "window only", "flex_causal": "flex causal"}
         for key, label in labels.items():
             pts = [(r["n"], (r if name == "prefill" else r["times"])[key]["min"]) for r in rows
                    if key in (r if name == "prefill" else r["times"])]

@@ -15,7 +15,9 @@ def test_tiny_run_writes_json_markdown_and_plot(tmp_path):
     assert all(c["max_abs_diff"] <= c["tolerance"] for c in res["correctness"])
     saved = json.loads((tmp_path / "bench.json").read_text())
     (op,) = saved["op"]
-    assert op["n"] == 512 and set(op["times"]) == {"focus", "sdpa", "window"}
+    assert op["n"] == 512 and op["kernel"] == "flash" and set(op["times"]) == {"focus", "focus_flex", "sdpa", "window"}
+    assert {"prefill, flash kernel", "prefill, flex kernel", "decode"} <= {c["case"] for c in res["correctness"]}
+    assert 0 < op["pair_density"] <= 1 and 0 < op["density"]["total"] <= 2
     assert op["times"]["focus"]["min"] > 0 and op["times"]["sdpa"]["peak_rss_mb"] > 0
     assert 0 < op["density"]["total"] <= 2 and op["recompiles_after_warmup"] == 0
     md = (tmp_path / "bench.md").read_text()
@@ -56,5 +58,5 @@ def test_targets_report_met_and_missed():
     targets = {t["target"]: t for t in bench.evaluate_targets({"op": [op], "sections": ["op", "memory"]})}
     assert targets["attention op >= 8x SDPA (float32 N=32768)"]["met"]  # 10x
     assert targets["attention op >= 80% of ideal (float32 N=32768)"]["value"] == pytest.approx(1.0)
-    assert not targets["routing + masks <= 10% of Focus (float32 N=32768)"]["met"]  # 12.5%
+    assert not targets["routing + planning <= 10% of Focus (float32 N=32768)"]["met"]  # 12.5%
     assert targets["peak RSS <= SDPA's (op float32 N=32768)"]["met"]
