@@ -16,7 +16,9 @@ Sections (``--sections``):
 * ``compile`` — the flex kernel's first-call compile time (cold inductor cache) and recompiles while lengths vary
   (the flash kernel compiles nothing).
 
-Every configuration runs in a fresh subprocess (``python -m focus_flex.bench _worker SPEC``). There each method is
+Every configuration runs in a fresh subprocess (``python -m focus_flex.bench _worker SPEC``), with the allocator
+setting of the ``focus-flex`` command (:func:`focus_flex.cli.keep_freed_memory`: freed buffers stay in the heap
+instead of being faulted in again at every call; it matters for Focus' temporaries, not for SDPA). There each method is
 warmed up, then timed ``repeats`` times alternating with its baseline (min and median reported; a method stops
 repeating once it has used ``max_seconds``). A method's peak RSS is the process' high-water mark, reset
 (``/proc/self/clear_refs``) just before its first timed call. Before anything is timed, the fast path is checked
@@ -620,6 +622,9 @@ def _compile_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _worker_main(argv: list[str]) -> int:
+    from focus_flex.cli import keep_freed_memory
+
+    keep_freed_memory()  # the allocator setting of the focus-flex command, for every method alike
     spec = json.loads(argv[0])
     task = {"op": _op_worker, "prefill": _prefill_worker, "decode": _decode_worker, "compile": _compile_worker}
     if spec["task"] == "compile" and not os.environ.get("FOCUS_BENCH_WARM"):

@@ -30,8 +30,8 @@ import torch
 
 from focus_flex.config import FocusConfig
 
-LOCAL_CHUNK = 128  # query positions per local chunk (measured: 128 beats 64 and 256 at window 256)
-FAR_CHUNK = 256  # query copies per far call
+LOCAL_CHUNK = 64  # query positions per local chunk (measured at window 256: 64 beats 32 and 128)
+FAR_CHUNK = 512  # query copies per far call (measured: 512 beats 256 and 1024 at 8K-32K)
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
@@ -55,20 +55,21 @@ def local_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, co
     kpos = torch.cat([torch.arange(s_eff).expand(nc, -1),  # keys of a chunk: sinks, then its window span
                       first[:, None] - w + 1 + torch.arange(c + w - 1)], 1)
     src = kpos.clamp(0, lk - 1)
-    kc, vc = k[src][None].expand(r, -1, -1, -1), v[src][None].expand(r, -1, -1, -1)  # [R, nc, keys, D]
-    qc = torch.nn.functional.pad(q, (0, 0, 0, nc * c - lq)).view(r, nc, c, d)  # chunks as the "heads" dim
+    kc, vc = (x.index_select(0, src.flatten()).view(nc, 1, -1, d) for x in (k, v))  # [nc, 1, keys, D]
+    # A call's rows: the chunk's queries of every head, so one tile serves R heads ([nc, 1, R * c, D]).
+    qc = torch.nn.functional.pad(q, (0, 0, 0, nc * c - lq)).view(r, nc, c, d).transpose(0, 1).reshape(nc, 1, r * c, d)
     # Chunks whose window span reaches below the sinks get their own mask; from there on one mask fits all.
     head = min(int(((first - w + 1) < s).sum()) + 1, nc)
     qpos, kp = first[:head, None, None] + torch.arange(c)[:, None], kpos[:head, None, :]  # [head, c, 1], [head, 1, K]
     is_sink = torch.arange(kpos.shape[1]) < s_eff
     allowed = (kp <= qpos) & (is_sink | ((qpos - kp < w) & (kp >= s)))
-    mask = torch.zeros((), dtype=q.dtype).masked_fill(~allowed, float("-inf"))[None]  # [1, head, c, keys]
-    out, lse = q.new_empty(r, nc, c, d), torch.empty(r, nc, c)
-    for lo, hi, m in ((0, head - 1, mask[:, :head - 1]), (head - 1, nc, mask[:, head - 1:])):
+    mask = torch.zeros((), dtype=q.dtype).masked_fill(~allowed, float("-inf")).repeat(1, r, 1)[:, None]
+    out, lse = q.new_empty(nc, 1, r * c, d), torch.empty(nc, 1, r * c)
+    for lo, hi, m in ((0, head - 1, mask[:head - 1]), (head - 1, nc, mask[head - 1:])):
         if hi > lo:
-            out[:, lo:hi], lse[:, lo:hi] = _flash(qc[:, lo:hi], kc[:, lo:hi], vc[:, lo:hi], 0.0, False,
-                                                  attn_mask=m, scale=scale)[:2]
-    return out.view(r, nc * c, d)[:, :lq], lse.view(r, nc * c)[:, :lq]
+            out[lo:hi], lse[lo:hi] = _flash(qc[lo:hi], kc[lo:hi], vc[lo:hi], 0.0, False, attn_mask=m, scale=scale)[:2]
+    out = out.view(nc, r, c, d).transpose(0, 1).reshape(r, nc * c, d)[:, :lq]
+    return out, lse.view(nc, r, c).transpose(0, 1).reshape(r, nc * c)[:, :lq]
 
 
 class FarPlan(NamedTuple):
@@ -98,12 +99,12 @@ def far_plan(q_groups: torch.Tensor, k_groups: torch.Tensor, start: int, config:
     kkey, korder = (k_groups * stride + torch.arange(lk)[:, None]).flatten().sort()
     qpos = start + torch.arange(q_groups.shape[1])[None, :, None]
     qkey, qorder = (q_groups * stride + qpos).flatten().sort(stable=True)
-    group = torch.div(qkey, stride, rounding_mode="floor")
+    group = q_groups.flatten().index_select(0, qorder)
     lo = torch.searchsorted(kkey, group * stride + config.sink_tokens)
     hi = torch.maximum(torch.searchsorted(kkey, qkey - config.window, right=True), lo)
     bounds = torch.searchsorted(group, torch.arange(config.num_groups + 1)).tolist()
-    return FarPlan(torch.div(korder, kk, rounding_mode="floor"), torch.div(qorder, kq, rounding_mode="floor"),
-                   lo, hi, bounds)
+    copy_of = lambda order, k: order if k == 1 else torch.div(order, k, rounding_mode="floor")  # noqa: E731
+    return FarPlan(copy_of(korder, kk), copy_of(qorder, kq), lo, hi, bounds)
 
 
 def far_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FarPlan,
@@ -114,42 +115,48 @@ def far_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FarPlan,
     ``[2, copies, D]`` and lse ``[2, copies]`` (float32, -inf: no key).
     """
     d = q.shape[-1]
-    qs, ks, vs = q.reshape(-1, d)[plan.q_row], k[plan.k_src], v[plan.k_src]
-    copies = qs.shape[0]
-    out, lse = qs.new_zeros(2, copies, d), torch.full((2, copies), float("-inf"))
+    # As [1, 1, L, D]: the flash op's layout, so that a chunk is a single slice.
+    qs = q.reshape(-1, d).index_select(0, plan.q_row)[None, None]
+    ks, vs = k.index_select(0, plan.k_src)[None, None], v.index_select(0, plan.k_src)[None, None]
+    copies = qs.shape[2]
+    out, lse = qs.new_empty(2, 1, 1, copies, d), torch.full((2, 1, 1, copies), float("-inf"))
     lo, hi = plan.lo.tolist(), plan.hi.tolist()
+    hi_col = plan.hi[:, None]
     for g in range(len(plan.bounds) - 1):
         # Copies are sorted by position within a group, so hi grows: the ones with far keys are a suffix.
-        a, b = plan.bounds[g], plan.bounds[g + 1]
-        a = bisect.bisect_right(hi, lo[a], a, b) if b > a else b
+        a0, b = plan.bounds[g], plan.bounds[g + 1]
+        a = bisect.bisect_right(hi, lo[a0], a0, b) if b > a0 else b
+        out[..., a0:a, :] = 0  # rows with lse -inf must hold finite numbers: the merge weighs them by 0
         for r0 in range(a, b, FAR_CHUNK):
             r1 = min(r0 + FAR_CHUNK, b)
             k0, k1, k2 = lo[r0], hi[r0], hi[r1 - 1]
-            out[0, r0:r1], lse[0, r0:r1] = (x[0, 0] for x in _flash(
-                qs[None, None, r0:r1], ks[None, None, k0:k1], vs[None, None, k0:k1], 0.0, False, scale=scale)[:2])
+            rows = (slice(None), slice(None), slice(r0, r1))
+            out[0][rows], lse[0][rows] = _flash(qs[rows], ks[..., k0:k1, :], vs[..., k0:k1, :], 0.0, False,
+                                                scale=scale)[:2]
             rt = bisect.bisect_right(hi, k1, r0, r1)  # rows [rt, r1) also see some of the keys [k1, k2)
+            out[1, ..., r0:rt, :] = 0
             if rt < r1:
-                mask = torch.where(torch.arange(k1, k2) < plan.hi[rt:r1, None], 0.0, float("-inf")).to(q.dtype)
-                out[1, rt:r1], lse[1, rt:r1] = (x[0, 0] for x in _flash(
-                    qs[None, None, rt:r1], ks[None, None, k1:k2], vs[None, None, k1:k2], 0.0, False,
-                    attn_mask=mask[None, None], scale=scale)[:2])
-    return out, lse
+                rows = (slice(None), slice(None), slice(rt, r1))
+                mask = torch.where(torch.arange(k1, k2) < hi_col[rt:r1], 0.0, float("-inf")).to(q.dtype)
+                out[1][rows], lse[1][rows] = _flash(qs[rows], ks[..., k1:k2, :], vs[..., k1:k2, :], 0.0, False,
+                                                    attn_mask=mask, scale=scale)[:2]
+    return out.view(2, copies, d), lse.view(2, copies)
 
 
 def merge(out_loc: torch.Tensor, lse_loc: torch.Tensor, out_far: torch.Tensor, lse_far: torch.Tensor,
           q_row: torch.Tensor) -> torch.Tensor:
     """Exact union of the local part (output ``[rows, D]``, lse ``[rows]``) and the far parts (``[P, copies, D]``,
     ``[P, copies]``, copy ``c`` of every part belonging to row ``q_row[c]``), all normalised outputs with their
-    float32 lse (-inf: empty). Returns float32 ``[rows, D]``."""
+    float32 lse (-inf: empty). Returns float32 ``[rows, D]`` (``out_loc`` itself when it is float32)."""
     m = lse_loc
     for lse in lse_far:
         m = m.scatter_reduce(0, q_row, lse, "amax")
-    w_loc = (lse_loc - m).exp()
-    den, num = w_loc.clone(), out_loc.float() * w_loc[:, None]
+    w_loc = (lse_loc - m).exp_()
+    den, num = w_loc.clone(), out_loc.float().mul_(w_loc[:, None])
     for out, lse in zip(out_far, lse_far, strict=True):
-        w = (lse - m[q_row]).exp()
+        w = (lse - m[q_row]).exp_()
         den.index_add_(0, q_row, w)
-        num.index_add_(0, q_row, out.float().mul_(w[:, None]) if out.dtype != torch.float32 else out * w[:, None])
+        num.index_add_(0, q_row, out.float().mul_(w[:, None]))  # float32 parts: scaled in place
     return num.div_(den[:, None])
 
 
@@ -160,7 +167,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_groups:
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     rep = hq // hkv
-    out = q.new_zeros(b, hq, lq, d)
+    out = q.new_empty(b, hq, lq, d) if bool(valid.all()) else q.new_zeros(b, hq, lq, d)  # padded query rows: 0
     for i in range(b):
         keys = valid[i].nonzero()[:, 0]
         queries = valid[i, lk - lq:].nonzero()[:, 0]
