@@ -733,7 +733,7 @@ def to_markdown(results: dict[str, Any]) -> str:
         lines += ["## Prefill (SmolLM2-135M end to end, `logits_to_keep=1`)", "",
                   "| N | dtype | adapter | kernel | Focus s | SDPA s | x SDPA | real-routing pair density | "
                   "warm-up s |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in results["prefill"]:
             lines.append(f"| {r['n']} | {r['model_dtype']} | {Path(r['adapter']).name} | {r.get('kernel', 'flex')} | "
                          f"{r['focus']['min']:.1f} | "
