@@ -576,8 +576,8 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
             return _few_queries_attention(q, k, v, centroids, config, valid, k_member, scale)
 
     if kernel == "flash" or (kernel is None and flash.supported(q, config)):
-        q_groups = routing.top_groups(routing.scores(q, centroids, config.tau), config.query_top_k)
-        k_groups = (routing.top_groups(routing.scores(k, centroids, config.tau), config.key_top_k)
+        q_groups = routing.hard_groups(q, centroids, config.tau, config.query_top_k)
+        k_groups = (routing.hard_groups(k, centroids, config.tau, config.key_top_k)
                     if k_member is None else groups_from_membership(k_member, config.key_top_k, config.num_groups))
         return flash.flash_attention(q, k, v, q_groups, k_groups, valid, config, scale)
     k_groups = None

@@ -12,7 +12,8 @@ Sections (``--sections``):
 * ``decode`` — tokens/s on a KV cache of each length: Focus vs SDPA (one process per method). The cache holds a real
   2K-token prefill's keys/values tiled to the length, in a preallocated cache (transformers' ``DynamicCache``
   re-concatenates the whole cache every step, which would dominate both methods alike).
-* ``memory`` — the peak RSS of every Focus / SDPA measurement above.
+* ``memory`` — peak RSS of Focus and SDPA for each op and prefill size, each method alone in a fresh process (its
+  first full-size call after a small warm-up), and of the decode runs.
 * ``compile`` — the flex kernel's first-call compile time (cold inductor cache) and recompiles while lengths vary
   (the flash kernel compiles nothing).
 
@@ -20,8 +21,8 @@ Every configuration runs in a fresh subprocess (``python -m focus_flex.bench _wo
 setting of the ``focus-flex`` command (:func:`focus_flex.cli.keep_freed_memory`: freed buffers stay in the heap
 instead of being faulted in again at every call; it matters for Focus' temporaries, not for SDPA). There each method is
 warmed up, then timed ``repeats`` times alternating with its baseline (min and median reported; a method stops
-repeating once it has used ``max_seconds``). A method's peak RSS is the process' high-water mark, reset
-(``/proc/self/clear_refs``) just before its first timed call. Before anything is timed, the fast path is checked
+repeating once it has used ``max_seconds``). A peak RSS is the process' high-water mark, reset
+(``/proc/self/clear_refs``) just before the measured call(s). Before anything is timed, the fast path is checked
 against :func:`~focus_flex.attention.reference_attention` (fp32 and bf16, padding, GQA, decode): a wrong kernel stops
 the benchmark, so no speedup is ever reported for it.
 """
@@ -158,6 +159,15 @@ def run_bench(*, lengths: Sequence[int] = (4096, 8192, 16384, 32768), dtypes: Se
             for method in ("sdpa", "focus"):  # one process each: clean peak RSS
                 worker("decode", {**model_spec, "task": "decode", "n": n, "tokens": decode_tokens, "method": method})
             results["decode"][-2:] = [{**results["decode"][-2], **results["decode"][-1]}]
+    if "memory" in sections:  # a fresh process per method and size: nothing left over from other calls
+        sizes = [("op", n, dtype) for dtype in dtypes for n in lengths if "op" in sections]
+        sizes += [("prefill", n, model_dtype) for n in prefill_lengths if "prefill" in sections]
+        for of, n, dtype in sizes:
+            log(f"memory: {of} {dtype} N={n} ...")
+            spec = {**(model_spec if of == "prefill" else common), "task": "memory", "of": of, "n": n, "dtype": dtype}
+            pair = {m: _run_worker({**spec, "method": m}) for m in ("focus", "sdpa")}
+            results.setdefault("memory", []).append({"of": of, "n": n, "dtype": dtype,
+                                                     **{m: r["peak_rss_mb"] for m, r in pair.items()}})
     if "compile" in sections:
         log("compile ...")
         worker("compile", {**common, "task": "compile", "dtype": dtypes[0]})
@@ -268,6 +278,18 @@ def _reset_peak() -> bool:
         return False
 
 
+def _trim() -> None:
+    """Return the free heap to the OS (glibc ``malloc_trim``; a no-op elsewhere)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _peak_mb() -> float:
     try:
         return int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
@@ -290,23 +312,17 @@ def _stats(times: list[float]) -> dict[str, Any]:
             "n": len(s), "all": times}
 
 
-def _measure(methods: dict[str, Callable[[], Any]], repeats: int, max_seconds: float,
-             peak: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
-    """Time already warmed-up methods, alternating them; peak RSS of those in ``peak`` on their first call."""
+def _measure(methods: dict[str, Callable[[], Any]], repeats: int, max_seconds: float) -> dict[str, dict[str, Any]]:
+    """Time already warmed-up methods, alternating them."""
     times: dict[str, list[float]] = {name: [] for name in methods}
-    peaks: dict[str, float] = {}
     for _ in range(repeats):
         for name, fn in methods.items():
             if times[name] and sum(times[name]) >= max_seconds:
                 continue
-            fresh = name in peak and name not in peaks and _reset_peak()
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
-            if fresh:
-                peaks[name] = _peak_mb()
-    return {name: {**_stats(ts), **({"peak_rss_mb": peaks[name]} if name in peaks else {})}
-            for name, ts in times.items()}
+    return {name: _stats(ts) for name, ts in times.items()}
 
 
 def _unique_graphs() -> int:
@@ -396,7 +412,7 @@ def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
         methods["flex_causal"] = flex_causal
     graphs = _unique_graphs()
     res["rss_before_mb"] = _rss_mb()
-    res["times"] = _measure(methods, spec["repeats"], spec["max_seconds"], peak=("focus", "sdpa"))
+    res["times"] = _measure(methods, spec["repeats"], spec["max_seconds"])
     res["plan"] = _measure({"plan": plan}, spec["repeats"], spec["max_seconds"])["plan"]
     res["recompiles_after_warmup"] = _unique_graphs() - graphs
     p = attention.plan_attention(q, k, c, cfg, valid=valid)  # the block-sparse limit, whichever kernel runs
@@ -511,7 +527,7 @@ def _prefill_worker(spec: dict[str, Any]) -> dict[str, Any]:
     res["compile_s"] = time.perf_counter() - t
     flash.far_plan, attention.plan_attention = recording_far_plan, recording_plan
     times = _measure({"focus": forward, "sdpa": lambda: _as_sdpa(model, adapter, forward)}, spec["repeats"],
-                     spec["max_seconds"], peak=("focus", "sdpa"))
+                     spec["max_seconds"])
     flash.far_plan, attention.plan_attention = far_plan, plan_attention
     res.update(times)
     hq = model.config.num_attention_heads
@@ -593,6 +609,40 @@ def _decode_worker(spec: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
+def _memory_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Peak RSS of one method's first full-size call, alone in a fresh process (after a small warm-up call)."""
+    from focus_flex import attention
+
+    n, method = spec["n"], spec["method"]
+    if spec["of"] == "op":
+        q, k, v, c = balanced_inputs(n, getattr(torch, spec["dtype"]), spec["focus"]["num_groups"])
+        from focus_flex.config import FocusConfig
+
+        cfg = FocusConfig(**spec["focus"])
+
+        def call(m: int) -> Any:
+            qm, km, vm = q[:, :, :m], k[:, :, :m], v[:, :, :m]
+            if method == "focus":
+                return attention.focus_attention(qm, km, vm, c, cfg)
+            return F.scaled_dot_product_attention(qm, km, vm, is_causal=True, enable_gqa=True)
+    else:
+        model, tokenizer, adapter = _load(spec)
+        ids = _tokens(tokenizer, n)
+        if method == "focus":
+            adapter.attach(model)
+
+        def call(m: int) -> Any:
+            with torch.inference_mode():
+                return model(ids[:, :m], use_cache=False, logits_to_keep=1)
+    call(512)
+    _trim()  # give freed heap back, so that the baseline is live memory and every method starts from it
+    before = _rss_mb()
+    _reset_peak()
+    call(n)
+    return {**{key: spec[key] for key in ("of", "n", "method") if key in spec}, "dtype": spec.get("dtype"),
+            "rss_before_mb": before, "peak_rss_mb": _peak_mb()}
+
+
 def _compile_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """First-call compile time in a cold inductor cache, then recompiles while lengths vary within warmed buckets."""
     from focus_flex import attention
@@ -626,7 +676,8 @@ def _worker_main(argv: list[str]) -> int:
 
     keep_freed_memory()  # the allocator setting of the focus-flex command, for every method alike
     spec = json.loads(argv[0])
-    task = {"op": _op_worker, "prefill": _prefill_worker, "decode": _decode_worker, "compile": _compile_worker}
+    task = {"op": _op_worker, "prefill": _prefill_worker, "decode": _decode_worker, "memory": _memory_worker,
+            "compile": _compile_worker}
     if spec["task"] == "compile" and not os.environ.get("FOCUS_BENCH_WARM"):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="focus-bench-inductor-")  # cold cache
     result = task[spec["task"]](spec)
@@ -682,10 +733,7 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _memory_rows(results: dict[str, Any]) -> list[tuple[str, float, float]]:
-    rows = [(f"op {r['dtype']} N={r['n']}", r["times"]["focus"]["peak_rss_mb"], r["times"]["sdpa"]["peak_rss_mb"])
-            for r in results.get("op", [])]
-    rows += [(f"prefill N={r['n']}", r["focus"]["peak_rss_mb"], r["sdpa"]["peak_rss_mb"])
-             for r in results.get("prefill", [])]
+    rows = [(f"{r['of']} {r['dtype']} N={r['n']}", r["focus"], r["sdpa"]) for r in results.get("memory", [])]
     rows += [(f"decode cache={r['n']}", r["focus"]["peak_rss_mb"], r["sdpa"]["peak_rss_mb"])
              for r in results.get("decode", [])]
     return rows
@@ -749,7 +797,8 @@ def to_markdown(results: dict[str, Any]) -> str:
                          f"{r['focus']['tokens_per_s'] / r['sdpa']['tokens_per_s']:.2f} |")
         lines.append("")
     if "memory" in results.get("sections", SECTIONS) and _memory_rows(results):
-        lines += ["## Peak RSS (MB, process high-water mark during the first timed call)", "",
+        lines += ["## Peak RSS (MB: op and prefill, each method's first full-size call alone in a fresh process; "
+                  "decode, the timed steps of its own process)", "",
                   "| measurement | Focus | SDPA | Focus / SDPA |", "|---|---|---|---|"]
         lines += [f"| {name} | {fo:,.0f} | {sd:,.0f} | {fo / sd:.2f} |" for name, fo, sd in _memory_rows(results)]
         lines.append("")

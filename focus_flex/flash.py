@@ -15,7 +15,8 @@ exactly through their log-sum-exps. Per batch row (padding dropped) and KV head,
 
 * **far** — query copies and key copies sorted by (group, position); a chunk of query copies of one group may see a
   prefix of its group's keys (beyond the window, past the sinks) that grows down the chunk. The prefix every row of
-  the chunk sees is one unmasked call; the few keys after it are a second call with a small staircase mask.
+  the chunk sees is one unmasked call; the few keys after it are a second call with a small staircase mask. Each
+  group's results are merged into the local part's right away, so the temporaries stay one group's.
 
 A query in several groups has a far copy per group; a key in several groups has a copy per group. A pair sharing
 several groups would be counted more than once, so top-k > 1 for both queries and keys is left to the flex path.
@@ -32,6 +33,7 @@ from focus_flex.config import FocusConfig
 
 LOCAL_CHUNK = 64  # query positions per local chunk (measured at window 256: 64 beats 32 and 128)
 FAR_CHUNK = 512  # query copies per far call (measured: 512 beats 256 and 1024 at 8K-32K)
+LOCAL_BATCH = 64  # local chunks per flash call (bounds the gathered keys to ~5 MB per tensor)
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
@@ -40,36 +42,42 @@ def supported(q: torch.Tensor, config: FocusConfig) -> bool:
     return q.device.type == "cpu" and (config.query_top_k == 1 or config.key_top_k == 1)
 
 
-def local_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, config: FocusConfig,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def local_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, config: FocusConfig, scale: float,
+               out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sinks + window for queries at positions ``[start, start + Lq)`` of one unpadded sequence.
 
-    q ``[R, Lq, D]`` (the query heads of one KV head), k/v ``[Lk, D]``. Returns output ``[R, Lq, D]`` and lse
-    ``[R, Lq]`` (float32). Sinks (positions < sink_tokens) count only as sinks, never as window keys.
+    q ``[R, Lq, D]`` (the query heads of one KV head), k/v ``[Lk, D]``. Returns the float32 output ``[R, Lq, D]``
+    (written into ``out`` if given: float32, contiguous, Lq a multiple of ``LOCAL_CHUNK``) and lse ``[R, Lq]``.
+    Sinks (positions < sink_tokens) count only as sinks, never as window keys. Chunks go ``LOCAL_BATCH`` at a
+    time, so the gathered keys stay a few MB.
     """
     r, lq, d = q.shape
     lk, s, w, c = k.shape[0], config.sink_tokens, config.window, LOCAL_CHUNK
     s_eff = min(s, lk)
     nc = -(-lq // c)
-    first = start + torch.arange(nc) * c  # position of each chunk's first query
-    kpos = torch.cat([torch.arange(s_eff).expand(nc, -1),  # keys of a chunk: sinks, then its window span
-                      first[:, None] - w + 1 + torch.arange(c + w - 1)], 1)
-    src = kpos.clamp(0, lk - 1)
-    kc, vc = (x.index_select(0, src.flatten()).view(nc, 1, -1, d) for x in (k, v))  # [nc, 1, keys, D]
-    # A call's rows: the chunk's queries of every head, so one tile serves R heads ([nc, 1, R * c, D]).
-    qc = torch.nn.functional.pad(q, (0, 0, 0, nc * c - lq)).view(r, nc, c, d).transpose(0, 1).reshape(nc, 1, r * c, d)
+    qp = (q if nc * c == lq else torch.nn.functional.pad(q, (0, 0, 0, nc * c - lq))).view(r, nc, c, d)
+    out = torch.empty(r, nc, c, d) if out is None else out.view(r, nc, c, d)
+    lse = torch.empty(r, nc, c)
+    is_sink = torch.arange(s_eff + c + w - 1) < s_eff
     # Chunks whose window span reaches below the sinks get their own mask; from there on one mask fits all.
-    head = min(int(((first - w + 1) < s).sum()) + 1, nc)
-    qpos, kp = first[:head, None, None] + torch.arange(c)[:, None], kpos[:head, None, :]  # [head, c, 1], [head, 1, K]
-    is_sink = torch.arange(kpos.shape[1]) < s_eff
-    allowed = (kp <= qpos) & (is_sink | ((qpos - kp < w) & (kp >= s)))
-    mask = torch.zeros((), dtype=q.dtype).masked_fill(~allowed, float("-inf")).repeat(1, r, 1)[:, None]
-    out, lse = q.new_empty(nc, 1, r * c, d), torch.empty(nc, 1, r * c)
-    for lo, hi, m in ((0, head - 1, mask[:head - 1]), (head - 1, nc, mask[head - 1:])):
-        if hi > lo:
-            out[lo:hi], lse[lo:hi] = _flash(qc[lo:hi], kc[lo:hi], vc[lo:hi], 0.0, False, attn_mask=m, scale=scale)[:2]
-    out = out.view(nc, r, c, d).transpose(0, 1).reshape(r, nc * c, d)[:, :lq]
-    return out, lse.view(nc, r, c).transpose(0, 1).reshape(r, nc * c)[:, :lq]
+    own = min(max(-(-(s + w - 1 - start) // c), 0), nc)
+    for c0, c1, shared in ((0, own, False), (own, nc, True)):
+        for b0 in range(c0, c1, LOCAL_BATCH):
+            b1 = min(b0 + LOCAL_BATCH, c1)
+            first = start + torch.arange(b0, b1) * c  # position of each chunk's first query
+            kpos = torch.cat([torch.arange(s_eff).expand(b1 - b0, -1),  # a chunk's keys: sinks, its window span
+                              first[:, None] - w + 1 + torch.arange(c + w - 1)], 1)
+            kc, vc = (x.index_select(0, kpos.clamp(0, lk - 1).flatten()).view(b1 - b0, 1, -1, d) for x in (k, v))
+            qpos, kp = first[:, None, None] + torch.arange(c)[:, None], kpos[:, None, :]  # [n, c, 1], [n, 1, K]
+            if shared:
+                qpos, kp = qpos[:1], kp[:1]
+            allowed = (kp <= qpos) & (is_sink | ((qpos - kp < w) & (kp >= s)))
+            mask = torch.zeros((), dtype=q.dtype).masked_fill(~allowed, float("-inf")).repeat(1, r, 1)[:, None]
+            # A call's rows: the chunk's queries of every head, so one tile serves R heads ([n, 1, R * c, D]).
+            qc = qp[:, b0:b1].transpose(0, 1).reshape(b1 - b0, 1, r * c, d)
+            o, l_ = _flash(qc, kc, vc, 0.0, False, attn_mask=mask, scale=scale)[:2]
+            out[:, b0:b1], lse[:, b0:b1] = o.view(-1, r, c, d).transpose(0, 1), l_.view(-1, r, c).transpose(0, 1)
+    return out.view(r, nc * c, d)[:, :lq], lse.view(r, nc * c)[:, :lq]
 
 
 class FarPlan(NamedTuple):
@@ -107,57 +115,54 @@ def far_plan(q_groups: torch.Tensor, k_groups: torch.Tensor, start: int, config:
     return FarPlan(copy_of(korder, kk), copy_of(qorder, kq), lo, hi, bounds)
 
 
-def far_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FarPlan,
-             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same-group pairs beyond the window and past the sinks: q ``[R, Lq, D]``, k/v ``[Lk, D]``.
+def far_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FarPlan, scale: float, out: torch.Tensor,
+             lse: torch.Tensor) -> None:
+    """Add the same-group pairs beyond the window and past the sinks to a partial result, in place.
 
-    Per query copy of ``plan``, two parts (the keys every row of its chunk sees, then the rest): outputs
-    ``[2, copies, D]`` and lse ``[2, copies]`` (float32, -inf: no key).
+    q ``[R, Lq, D]``, k/v ``[Lk, D]``; ``out`` ``[R * Lq, D]`` (float32, normalised) and ``lse`` ``[R * Lq]`` hold the
+    local part (every row has a key). Group by group, chunks of its sorted query copies attend the keys every row of
+    the chunk sees, then the rest under a staircase mask; the group's results are merged into ``out`` and ``lse``
+    right away, so the temporaries are one group's.
     """
     d = q.shape[-1]
-    # As [1, 1, L, D]: the flash op's layout, so that a chunk is a single slice.
-    qs = q.reshape(-1, d).index_select(0, plan.q_row)[None, None]
-    ks, vs = k.index_select(0, plan.k_src)[None, None], v.index_select(0, plan.k_src)[None, None]
-    copies = qs.shape[2]
-    out, lse = qs.new_empty(2, 1, 1, copies, d), torch.full((2, 1, 1, copies), float("-inf"))
+    qf = q.reshape(-1, d)
     lo, hi = plan.lo.tolist(), plan.hi.tolist()
-    hi_col = plan.hi[:, None]
     for g in range(len(plan.bounds) - 1):
         # Copies are sorted by position within a group, so hi grows: the ones with far keys are a suffix.
         a0, b = plan.bounds[g], plan.bounds[g + 1]
         a = bisect.bisect_right(hi, lo[a0], a0, b) if b > a0 else b
-        out[..., a0:a, :] = 0  # rows with lse -inf must hold finite numbers: the merge weighs them by 0
+        if a == b:
+            continue
+        k_lo, k_hi = lo[a], hi[b - 1]  # the group's keys any of its copies sees
+        rows = plan.q_row[a:b]
+        qs = qf.index_select(0, rows)[None, None]  # [1, 1, copies, D]: the flash op's layout
+        ks, vs = (x.index_select(0, plan.k_src[k_lo:k_hi])[None, None] for x in (k, v))
+        po, pl = qs.new_zeros(2, 1, 1, b - a, d), torch.full((2, 1, 1, b - a), float("-inf"))  # [full, tail]
         for r0 in range(a, b, FAR_CHUNK):
             r1 = min(r0 + FAR_CHUNK, b)
-            k0, k1, k2 = lo[r0], hi[r0], hi[r1 - 1]
-            rows = (slice(None), slice(None), slice(r0, r1))
-            out[0][rows], lse[0][rows] = _flash(qs[rows], ks[..., k0:k1, :], vs[..., k0:k1, :], 0.0, False,
-                                                scale=scale)[:2]
-            rt = bisect.bisect_right(hi, k1, r0, r1)  # rows [rt, r1) also see some of the keys [k1, k2)
-            out[1, ..., r0:rt, :] = 0
+            k0, k1, k2 = lo[r0] - k_lo, hi[r0] - k_lo, hi[r1 - 1] - k_lo
+            sl = (slice(None), slice(None), slice(r0 - a, r1 - a))
+            po[0][sl], pl[0][sl] = _flash(qs[sl], ks[..., k0:k1, :], vs[..., k0:k1, :], 0.0, False, scale=scale)[:2]
+            rt = bisect.bisect_right(hi, hi[r0], r0, r1)  # rows [rt, r1) also see some of the keys [k1, k2)
             if rt < r1:
-                rows = (slice(None), slice(None), slice(rt, r1))
-                mask = torch.where(torch.arange(k1, k2) < hi_col[rt:r1], 0.0, float("-inf")).to(q.dtype)
-                out[1][rows], lse[1][rows] = _flash(qs[rows], ks[..., k1:k2, :], vs[..., k1:k2, :], 0.0, False,
-                                                    attn_mask=mask, scale=scale)[:2]
-    return out.view(2, copies, d), lse.view(2, copies)
+                sl = (slice(None), slice(None), slice(rt - a, r1 - a))
+                mask = torch.where(torch.arange(k1, k2) < plan.hi[rt:r1, None] - k_lo, 0.0, float("-inf"))
+                po[1][sl], pl[1][sl] = _flash(qs[sl], ks[..., k1:k2, :], vs[..., k1:k2, :], 0.0, False,
+                                              attn_mask=mask.to(q.dtype), scale=scale)[:2]
+        _merge_into(out, lse, rows, po.view(2, -1, d), pl.view(2, -1))
 
 
-def merge(out_loc: torch.Tensor, lse_loc: torch.Tensor, out_far: torch.Tensor, lse_far: torch.Tensor,
-          q_row: torch.Tensor) -> torch.Tensor:
-    """Exact union of the local part (output ``[rows, D]``, lse ``[rows]``) and the far parts (``[P, copies, D]``,
-    ``[P, copies]``, copy ``c`` of every part belonging to row ``q_row[c]``), all normalised outputs with their
-    float32 lse (-inf: empty). Returns float32 ``[rows, D]`` (``out_loc`` itself when it is float32)."""
-    m = lse_loc
-    for lse in lse_far:
-        m = m.scatter_reduce(0, q_row, lse, "amax")
-    w_loc = (lse_loc - m).exp_()
-    den, num = w_loc.clone(), out_loc.float().mul_(w_loc[:, None])
-    for out, lse in zip(out_far, lse_far, strict=True):
-        w = (lse - m[q_row]).exp_()
-        den.index_add_(0, q_row, w)
-        num.index_add_(0, q_row, out.float().mul_(w[:, None]))  # float32 parts: scaled in place
-    return num.div_(den[:, None])
+def _merge_into(out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, parts: torch.Tensor,
+                part_lse: torch.Tensor) -> None:
+    """``out[rows]``/``lse[rows]`` (float32, finite lse) united with parts ``[P, n, D]`` / ``[P, n]`` of the same
+    rows (normalised outputs, lse -inf where empty), exactly, in place. ``rows`` must not repeat."""
+    cur = lse.index_select(0, rows)
+    new = torch.logaddexp(cur, torch.logsumexp(part_lse, 0))
+    acc = out.index_select(0, rows).mul_((cur - new).exp_()[:, None])
+    for o, l_ in zip(parts, part_lse, strict=True):
+        acc.add_(o.float() * (l_ - new).exp_()[:, None])
+    out.index_copy_(0, rows, acc)
+    lse.index_copy_(0, rows, new)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_groups: torch.Tensor,
@@ -180,13 +185,12 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_groups:
                 qj, qg, kj, vj, kg = qj[:, queries], qg[:, queries], kj[keys], vj[keys], kg[keys]
             if m == 0:
                 continue
-            o_loc, lse_loc = local_part(qj, kj, vj, n - m, config, scale)
-            plan = far_plan(qg, kg, n - m, config)
-            o_far, lse_far = far_part(qj, kj, vj, plan, scale)
-            res = merge(o_loc.reshape(rep * m, d), lse_loc.reshape(rep * m), o_far, lse_far, plan.q_row)
-            res = res.view(rep, m, d).to(q.dtype)
-            if dense:
-                out[i, hs] = res
-            else:
-                out[i, hs, queries] = res
+            # Accumulate in the output itself where it can hold the float32 result as it is.
+            direct = dense and q.dtype == torch.float32 and m % LOCAL_CHUNK == 0
+            res, lse = local_part(qj, kj, vj, n - m, config, scale, out[i, hs] if direct else None)
+            res, lse = res.reshape(rep * m, d), lse.reshape(rep * m)  # contiguous unless Lq is not a chunk multiple
+            far_part(qj, kj, vj, far_plan(qg, kg, n - m, config), scale, res, lse)
+            if not direct:
+                out[i, hs, queries] = res.view(rep, m, d).to(q.dtype)
+            del res, lse  # before the next head allocates its own
     return out

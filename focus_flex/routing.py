@@ -32,6 +32,12 @@ def top_groups(s: torch.Tensor, k: int) -> torch.Tensor:
     return s.argmax(-1, keepdim=True) if k == 1 else s.topk(k, dim=-1).indices
 
 
+def hard_groups(x: torch.Tensor, centroids: torch.Tensor, tau: float, k: int, chunk: int = 2048) -> torch.Tensor:
+    """:func:`top_groups` of :func:`scores`, ``[B, H, L, D]`` -> ``[B, H, L, k]``, routed ``chunk`` positions at a
+    time so that the float32 temporaries (normalised vectors, scores) stay a few MB at any length."""
+    return torch.cat([top_groups(scores(part, centroids, tau), k) for part in x.split(chunk, dim=2)], dim=2)
+
+
 def membership(groups: torch.Tensor) -> torch.Tensor:
     """Groups ``[..., k]`` -> int64 bitmask ``[...]`` with bit g set iff g is among the groups (G <= 63)."""
     return (torch.ones_like(groups) << groups).sum(-1)  # top-k indices are distinct, so sum == OR

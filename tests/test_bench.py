@@ -18,7 +18,9 @@ def test_tiny_run_writes_json_markdown_and_plot(tmp_path):
     assert op["n"] == 512 and op["kernel"] == "flash" and set(op["times"]) == {"focus", "focus_flex", "sdpa", "window"}
     assert {"prefill, flash kernel", "prefill, flex kernel", "decode"} <= {c["case"] for c in res["correctness"]}
     assert 0 < op["pair_density"] <= 1 and 0 < op["density"]["total"] <= 2
-    assert op["times"]["focus"]["min"] > 0 and op["times"]["sdpa"]["peak_rss_mb"] > 0
+    assert op["times"]["focus"]["min"] > 0
+    (mem,) = saved["memory"]
+    assert (mem["of"], mem["n"]) == ("op", 512) and mem["focus"] > 100 and mem["sdpa"] > 100
     assert 0 < op["density"]["total"] <= 2 and op["recompiles_after_warmup"] == 0
     md = (tmp_path / "bench.md").read_text()
     assert "## Attention op" in md and "## Peak RSS" in md and "## Targets" in md and "| float32 | 512 |" in md
@@ -53,9 +55,10 @@ def test_cli_flags():
 
 def test_targets_report_met_and_missed():
     op = {"dtype": "float32", "n": 32768, "first_call_s": 1.0, "density": {"local": 0.03, "far": 0.07, "total": 0.1},
-          "plan": {"min": 0.25}, "times": {"focus": {"min": 2.0, "peak_rss_mb": 900.0},
-                                          "sdpa": {"min": 20.0, "peak_rss_mb": 1000.0}, "window": {"min": 0.5}}}
-    targets = {t["target"]: t for t in bench.evaluate_targets({"op": [op], "sections": ["op", "memory"]})}
+          "plan": {"min": 0.25}, "times": {"focus": {"min": 2.0}, "sdpa": {"min": 20.0}, "window": {"min": 0.5}}}
+    memory = [{"of": "op", "n": 32768, "dtype": "float32", "focus": 900.0, "sdpa": 1000.0}]
+    targets = {t["target"]: t for t in bench.evaluate_targets({"op": [op], "memory": memory,
+                                                                "sections": ["op", "memory"]})}
     assert targets["attention op >= 8x SDPA (float32 N=32768)"]["met"]  # 10x
     assert targets["attention op >= 80% of ideal (float32 N=32768)"]["value"] == pytest.approx(1.0)
     assert not targets["routing + planning <= 10% of Focus (float32 N=32768)"]["met"]  # 12.5%
