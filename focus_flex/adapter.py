@@ -65,8 +65,9 @@ def model_shape(model: nn.Module) -> ModelShape:
 class FocusAdapter(nn.Module):
     """Centroids ``[n_focus_layers, Hkv, G, D]`` plus the :class:`FocusConfig` that describes them.
 
-    ``mode`` chooses the attention path while attached: ``"fast"`` (compiled FlexAttention,
-    inference), ``"soft"`` (differentiable soft routing, training), ``"reference"`` (the dense oracle).
+    ``mode`` chooses the attention path while attached: ``"fast"`` (:func:`~focus_flex.attention.focus_attention`:
+    CPU flash chunks on CPU, compiled FlexAttention elsewhere; inference), ``"soft"`` (differentiable soft routing,
+    training), ``"reference"`` (the dense oracle).
     """
 
     def __init__(self, config: FocusConfig, centroids: torch.Tensor | None = None, *, seed: int = 0):
