@@ -100,6 +100,17 @@ def test_flash_kernel_over_many_chunks(case, chunks, monkeypatch):
     assert out.dtype == torch.bfloat16 and max_diff(out, ref) <= 2e-2
 
 
+def test_flash_kernel_takes_strided_inputs():
+    """transformers hands attention ``[B, L, H, D]`` projections transposed to ``[B, H, L, D]`` (not contiguous)."""
+    cfg = FocusConfig(num_groups=4, window=16, sink_tokens=2)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 256, 4, 16, generator=gen).transpose(1, 2)
+    k, v = (torch.randn(1, 256, 2, 16, generator=gen).transpose(1, 2) for _ in range(2))
+    c = torch.randn(2, 4, 16, generator=gen)
+    assert not q.is_contiguous()
+    assert max_diff(focus_attention(q, k, v, c, cfg, kernel="flash"), reference_attention(q, k, v, c, cfg)) <= 1e-4
+
+
 DECODE_CASES = [
     # (B, Hq, Hkv, top-k q, top-k k, window, sinks, groups)
     (1, 9, 3, 1, 1, 16, 4, 8),  # SmolLM2's GQA 9/3
