@@ -1,6 +1,6 @@
 """The ``focus-flex`` command: ``retrofit`` (train + evaluate + save), ``eval``, and the Hub's ``push``/``pull``.
 
-    focus-flex retrofit                          # SmolLM2-135M-Instruct + shipped books, ~11 min on 2 CPU cores
+    focus-flex retrofit                          # SmolLM2-135M-Instruct + shipped books, 11-17 min on 2 CPU cores
     focus-flex retrofit --model org/llm --data my_texts/ --eval-data held_out/ --context 2048
     focus-flex eval runs/retrofit-SmolLM2-135M-Instruct/adapter
     torchrun --nproc-per-node 2 -m focus_flex.cli retrofit --batch-size 2   # data parallel (also accelerate launch)

@@ -9,9 +9,9 @@ Protocol (used by ``focus-flex retrofit`` and ``focus-flex eval``):
   ``ppl = exp(sum of next-token NLL / number of predicted tokens)`` over all windows, each window
   predicting its tokens 2..context. Every mode sees the same windows.
 * **Modes.** ``full``: the model's own attention. ``focus``: hard top-k routing, the inference path
-  (compiled FlexAttention). ``soft``: the soft-routing training path (dense). ``window``: window + sinks
-  only, the window widened until its density reaches ``focus``'s measured density. ``random``: untrained
-  random centroids with the same groups, top-k, window and sinks.
+  (:func:`~focus_flex.attention.focus_attention`, its default kernel). ``soft``: the soft-routing training path
+  (dense). ``window``: window + sinks only, the window widened until its density reaches ``focus``'s measured
+  density. ``random``: untrained random centroids with the same groups, top-k, window and sinks.
 * **Density**: the fraction of causal query-key pairs a mode computes, counted exactly from the hard
   memberships of every Focus layer and query head (:func:`pattern_density`, O(N·G)), averaged over Focus
   layers, heads and windows. ``full`` and ``soft`` (dense: every pair gets a score) count 1.0.
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from focus_flex import routing
+from focus_flex import flash, routing
 from focus_flex.adapter import FocusAdapter
 
 MODES = ("full", "focus", "soft", "window", "random")
@@ -210,7 +210,9 @@ def evaluate(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, *, 
         if mode == "full":
             run("full", 1.0, None, "the model's own attention")
         elif mode == "focus":
-            run("focus", None, None, f"hard top-{cfg.query_top_k} routing, compiled FlexAttention", adapter)
+            device = next(model.parameters()).device
+            kernel = "flash" if flash.supported(torch.empty(0, device=device), cfg) else "flex"
+            run("focus", None, None, f"hard top-{cfg.query_top_k} routing, fast path ({kernel} kernel)", adapter)
         elif mode == "soft":
             run("soft", 1.0, None, "soft routing (training path), dense", adapter, fast="soft")
         elif mode == "window":
