@@ -227,6 +227,11 @@ class FarLayout:
     def has_keys(self) -> torch.Tensor:
         return self.hi > self.lo
 
+    @property
+    def pairs(self) -> int:
+        """Far (query, key) pairs the layout allows, over all its heads."""
+        return int((self.hi - self.lo).sum())
+
 
 @dataclass
 class FocusPlan:
@@ -346,9 +351,9 @@ def plan_attention(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, co
                    k_groups: torch.Tensor | None = None) -> FocusPlan:
     """Route tokens and build both calls' layouts and block masks (no O(N^2) work)."""
     if q_groups is None:
-        q_groups = routing.top_groups(routing.scores(q, centroids, config.tau), config.query_top_k)
+        q_groups = routing.hard_groups(q, centroids, config.tau, config.query_top_k)
     if k_groups is None:
-        k_groups = routing.top_groups(routing.scores(k, centroids, config.tau), config.key_top_k)
+        k_groups = routing.hard_groups(k, centroids, config.tau, config.key_top_k)
     return FocusPlan(_plan_local(valid, q.shape[2], config), _plan_far(q_groups, k_groups, valid, config))
 
 
@@ -543,6 +548,12 @@ def _merge(loc: tuple[torch.Tensor, ...], far: tuple[torch.Tensor, ...], lay: Fa
     return res.mul_(bq[..., None]).addcmul_(out_l, a[..., None])
 
 
+def default_kernel(device: torch.device, config: FocusConfig) -> str:
+    """The prefill kernel :func:`focus_attention` uses unless told: ``"flash"`` on CPU where it applies, else
+    ``"flex"``."""
+    return "flash" if flash.supported(device, config) else "flex"
+
+
 def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
                     config: FocusConfig, *, attention_mask: torch.Tensor | None = None, scale: float | None = None,
                     key_index: KeyIndex | None = None, kernel: str | None = None) -> torch.Tensor:
@@ -565,7 +576,7 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
                          f"{tuple(k.shape[:3])}")
     if kernel not in (None, "flex", "flash"):
         raise ValueError(f"kernel={kernel!r}: use 'flex', 'flash' or None (automatic)")
-    if kernel == "flash" and not flash.supported(q, config):
+    if kernel == "flash" and not flash.supported(q.device, config):
         raise ValueError(f"kernel='flash' needs CPU tensors (got {q.device.type}) and top-k 1 for queries or keys "
                          f"(got {config.query_top_k} and {config.key_top_k}); use kernel='flex'")
     k_member = None if key_index is None else key_index.member
@@ -575,14 +586,13 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
                 return indexed_attention(q, k, v, centroids, config, key_index, scale)
             return _few_queries_attention(q, k, v, centroids, config, valid, k_member, scale)
 
-    if kernel == "flash" or (kernel is None and flash.supported(q, config)):
+    # Key routing a KV cache already did; else each kernel routes the keys itself.
+    k_groups = None if k_member is None else groups_from_membership(k_member, config.key_top_k, config.num_groups)
+    if (kernel or default_kernel(q.device, config)) == "flash":
         q_groups = routing.hard_groups(q, centroids, config.tau, config.query_top_k)
-        k_groups = (routing.hard_groups(k, centroids, config.tau, config.key_top_k)
-                    if k_member is None else groups_from_membership(k_member, config.key_top_k, config.num_groups))
+        if k_groups is None:
+            k_groups = routing.hard_groups(k, centroids, config.tau, config.key_top_k)
         return flash.flash_attention(q, k, v, q_groups, k_groups, valid, config, scale)
-    k_groups = None
-    if k_member is not None:
-        k_groups = groups_from_membership(k_member, config.key_top_k, config.num_groups)
     threads = torch.get_num_threads()
     out = torch.empty_like(q)
     rep = hq // k.shape[1]

@@ -261,10 +261,10 @@ def check_correctness(focus: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _kernels(cfg: Any) -> list[str]:
-    """The prefill kernels that run here: flex always, flash on CPU when the config allows it."""
-    from focus_flex import flash
+    """The prefill kernels that run here (on CPU): flex always, and the default one if that is another."""
+    from focus_flex import attention
 
-    return ["flex", "flash"] if flash.supported(torch.empty(0), cfg) else ["flex"]
+    return list(dict.fromkeys(["flex", attention.default_kernel(torch.device("cpu"), cfg)]))
 
 
 # ---- measuring -----------------------------------------------------------------------------------
@@ -358,7 +358,7 @@ def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
     valid = torch.ones(1, n, dtype=torch.bool)
     scale = HEAD_DIM ** -0.5
     threads = torch.get_num_threads()
-    kernel = "flash" if "flash" in _kernels(cfg) else "flex"
+    kernel = attention.default_kernel(q.device, cfg)
     rep = HQ // HKV
 
     def focus() -> torch.Tensor:
@@ -382,8 +382,8 @@ def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
         if kernel == "flex":
             with attention._threads(1):
                 return attention.plan_attention(q, k, c, cfg, valid=valid)
-        qg = routing.top_groups(routing.scores(q, c, cfg.tau), cfg.query_top_k)
-        kg = routing.top_groups(routing.scores(k, c, cfg.tau), cfg.key_top_k)
+        qg = routing.hard_groups(q, c, cfg.tau, cfg.query_top_k)
+        kg = routing.hard_groups(k, c, cfg.tau, cfg.key_top_k)
         return [flash.far_plan(qg[0, j * rep:(j + 1) * rep], kg[0, j], 0, cfg) for j in range(HKV)]
 
     res: dict[str, Any] = {"n": n, "dtype": spec["dtype"], "threads": threads, "kernel": kernel}
@@ -417,7 +417,7 @@ def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
     res["recompiles_after_warmup"] = _unique_graphs() - graphs
     p = attention.plan_attention(q, k, c, cfg, valid=valid)  # the block-sparse limit, whichever kernel runs
     res["density"] = p.density(attention.causal_blocks(n, bs))
-    res["pair_density"] = pair_density(n, cfg, float((p.far.hi - p.far.lo).sum()) / HQ)
+    res["pair_density"] = pair_density(n, cfg, p.far.pairs / HQ)
     return res
 
 
@@ -508,7 +508,7 @@ def _prefill_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     def recording_plan(*args: Any, **kwargs: Any) -> attention.FocusPlan:  # the same, for the flex kernel
         p = plan_attention(*args, **kwargs)
-        far_pairs.append(int((p.far.hi - p.far.lo).sum()))
+        far_pairs.append(p.far.pairs)
         if len(far_pairs) == calls:
             attention.plan_attention = plan_attention
         return p
@@ -518,7 +518,7 @@ def _prefill_worker(spec: dict[str, Any]) -> dict[str, Any]:
             model(ids, use_cache=False, logits_to_keep=1)
 
     res: dict[str, Any] = {"n": n, "model_dtype": spec["model_dtype"], "adapter": spec.get("adapter") or "k-means",
-                           "kernel": "flash" if "flash" in _kernels(cfg) else "flex"}
+                           "kernel": attention.default_kernel(next(model.parameters()).device, cfg)}
     with torch.inference_mode():
         model(ids[:, :64], use_cache=False, logits_to_keep=1)  # warm-up (SDPA needs no compilation)
     adapter.attach(model)

@@ -35,8 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from focus_flex import flash, routing
+from focus_flex import routing
 from focus_flex.adapter import FocusAdapter
+from focus_flex.attention import default_kernel
 
 MODES = ("full", "focus", "soft", "window", "random")
 WINDOW_ONLY = "focus_window_only"  # transformers attention implementation of the window-only baseline
@@ -210,8 +211,7 @@ def evaluate(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, *, 
         if mode == "full":
             run("full", 1.0, None, "the model's own attention")
         elif mode == "focus":
-            device = next(model.parameters()).device
-            kernel = "flash" if flash.supported(torch.empty(0, device=device), cfg) else "flex"
+            kernel = default_kernel(next(model.parameters()).device, cfg)
             run("focus", None, None, f"hard top-{cfg.query_top_k} routing, fast path ({kernel} kernel)", adapter)
         elif mode == "soft":
             run("soft", 1.0, None, "soft routing (training path), dense", adapter, fast="soft")

@@ -37,9 +37,9 @@ LOCAL_BATCH = 64  # local chunks per flash call (bounds the gathered keys to ~5 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-def supported(q: torch.Tensor, config: FocusConfig) -> bool:
-    """Whether this path can run: a CPU tensor, and no pair can share two groups."""
-    return q.device.type == "cpu" and (config.query_top_k == 1 or config.key_top_k == 1)
+def supported(device: torch.device, config: FocusConfig) -> bool:
+    """Whether this path can run: CPU tensors, and no pair can share two groups."""
+    return device.type == "cpu" and (config.query_top_k == 1 or config.key_top_k == 1)
 
 
 def local_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, config: FocusConfig, scale: float,
@@ -177,14 +177,14 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_groups:
         keys = valid[i].nonzero()[:, 0]
         queries = valid[i, lk - lq:].nonzero()[:, 0]
         n, m = keys.shape[0], queries.shape[0]
+        if m == 0:
+            continue
         dense = n == lk and m == lq
         for j in range(hkv):
             hs = slice(j * rep, (j + 1) * rep)
             qj, kj, vj, qg, kg = q[i, hs], k[i, j], v[i, j], q_groups[i, hs], k_groups[i, j]
             if not dense:  # drop the padding: positions become indices
                 qj, qg, kj, vj, kg = qj[:, queries], qg[:, queries], kj[keys], vj[keys], kg[keys]
-            if m == 0:
-                continue
             # Accumulate in the output itself where it can hold the float32 result as it is.
             direct = dense and q.dtype == torch.float32 and m % LOCAL_CHUNK == 0
             res, lse = local_part(qj, kj, vj, n - m, config, scale, out[i, hs] if direct else None)

@@ -50,7 +50,7 @@ def member_bits(member: torch.Tensor, num_groups: int) -> torch.Tensor:
 
 def hard_membership(x: torch.Tensor, centroids: torch.Tensor, tau: float, k: int) -> torch.Tensor:
     """Bitmask of the top-k groups of every vector: ``[B, H, L, D]`` -> ``[B, H, L]`` int64."""
-    return membership(top_groups(scores(x, centroids, tau), k))
+    return membership(hard_groups(x, centroids, tau, k))
 
 
 def soft_membership(s: torch.Tensor, k: int) -> torch.Tensor:
