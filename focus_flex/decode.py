@@ -38,7 +38,7 @@ def _grow(buffer: torch.Tensor, needed: int, fill: int) -> torch.Tensor:
 class KeyIndex:
     """Key routing of a growing KV cache: group bitmasks ``[B, Hkv, L]`` and per-group position lists.
 
-    ``lists[b, h, g, :counts[b, h, g]]`` (int32) are the positions (ascending) of the keys of (b, h) in group g;
+    ``lists[b, h, g, :counts[b][h][g]]`` (int32) are the positions (ascending) of the keys of (b, h) in group g;
     later slots hold a large sentinel. Positions are cache indices, so the index assumes no padding for the fast path
     (:func:`indexed_attention`); the bitmasks serve any path.
     """
@@ -49,7 +49,7 @@ class KeyIndex:
         member_dtype = torch.int32 if num_groups <= 31 else torch.int64  # bit 31 would be int32's sign
         self._member = torch.zeros(batch, heads, 0, dtype=member_dtype, device=device)
         self.lists = torch.full((batch, heads, num_groups, 0), _END, dtype=torch.int32, device=device)
-        self.counts = torch.zeros(batch, heads, num_groups, dtype=torch.long, device=device)
+        self.counts = [[[0] * num_groups for _ in range(heads)] for _ in range(batch)]  # [B][Hkv][G] list sizes
 
     @property
     def member(self) -> torch.Tensor:
@@ -63,19 +63,31 @@ class KeyIndex:
         few MB instead of several times the keys' size.
         """
         for chunk in keys.split(APPEND_CHUNK, dim=2):
-            self.append(routing.hard_membership(chunk, centroids, config.tau, config.key_top_k))
+            self.append(routing.hard_groups(chunk, centroids, config.tau, config.key_top_k))
 
-    def append(self, member: torch.Tensor) -> None:
-        """Add the keys that follow the current ones, given their bitmasks ``[B, Hkv, L]``."""
-        n = member.shape[2]
+    def append(self, groups: torch.Tensor) -> None:
+        """Add the keys that follow the current ones, given their groups ``[B, Hkv, L, k]``."""
+        n = groups.shape[2]
         self._member = _grow(self._member, self.length + n, 0)
-        self._member[:, :, self.length:self.length + n] = member
-        bits = routing.member_bits(member, self.num_groups)  # [B, Hkv, L, G]
-        slot = bits.cumsum(2).add_(self.counts[:, :, None, :] - 1)  # list slot of each key in each of its groups
-        self.counts += bits.sum(2)
-        self.lists = _grow(self.lists, int(self.counts.max()), _END)
+        self._member[:, :, self.length:self.length + n] = routing.membership(groups)
+        if n == 1:  # a decode step: a few scalar writes (vectorising one key costs more in op overhead)
+            for i, heads in enumerate(groups[:, :, 0].tolist()):
+                for h, chosen in enumerate(heads):
+                    for g in chosen:
+                        c = self.counts[i][h][g]
+                        self.lists = _grow(self.lists, c + 1, _END)
+                        self.lists[i, h, g, c] = self.length
+                        self.counts[i][h][g] = c + 1
+            self.length += 1
+            return
+        bits = routing.member_bits(routing.membership(groups), self.num_groups)  # [B, Hkv, L, G]
+        counts = torch.tensor(self.counts, device=groups.device)
+        slot = bits.cumsum(2).add_(counts[:, :, None, :] - 1)  # list slot of each key in each of its groups
+        counts += bits.sum(2)
+        self.lists = _grow(self.lists, int(counts.max()), _END)
         b, h, i, g = bits.nonzero(as_tuple=True)
         self.lists[b, h, g, slot[b, h, i, g]] = (self.length + i).to(self.lists.dtype)
+        self.counts = counts.tolist()
         self.length += n
 
 
@@ -94,10 +106,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
     torch.mm(scores.softmax(-1), vg, out=out)
 
 
-def _far_keys(index: KeyIndex, i: int, h: int, spans: list[list[int]], union: int) -> tuple[list[int], list]:
+def _far_keys(index: KeyIndex, i: int, h: int, bounds: list[list[int]], union: int) -> tuple[list[int], list]:
     """The groups in the bitmask ``union`` with far keys for (batch row i, KV head h), and those keys' positions."""
-    groups = [g for g, (lo, hi) in enumerate(spans) if union >> g & 1 and hi > lo]
-    return groups, [index.lists[i, h, g, spans[g][0]:spans[g][1]] for g in groups]
+    groups = [g for g, (lo, hi) in enumerate(bounds) if union >> g & 1 and hi > lo]
+    return groups, [index.lists[i, h, g, bounds[g][0]:bounds[g][1]] for g in groups]
 
 
 def indexed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
@@ -119,14 +131,14 @@ def indexed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroi
     local = torch.cat([torch.arange(min(s, lk), device=dev), torch.arange(near_lo, lk, device=dev)]).int()
     q_pos = torch.arange(lk - lq, lk, device=dev).repeat(rows // lq)[:, None]  # [rows, 1]
     causal, near = local <= q_pos, (q_pos - local < w) | (local < s)  # [rows, local keys]
-    spans = _spans(index, s, near_lo)
+    bounds = _spans(index, s, near_lo)
     unions = [[functools.reduce(operator.or_, m) for m in heads] for heads in q_member.tolist()]  # [B][Hkv]
     qr = q.reshape(b, hkv, rows, d).float() * scale
     out = qr.new_empty(b, hkv, rows, d)
     nl = local.shape[0]
     for i in range(b):
         for h in range(hkv):
-            groups, far = _far_keys(index, i, h, spans[i][h], unions[i][h])
+            groups, far = _far_keys(index, i, h, bounds[i][h], unions[i][h])
             pos = torch.cat([local, *far])
             k_member = index.member[i, h].index_select(0, pos)
             ok = (k_member & q_member[i, h, :, None]) != 0  # same group: all a far key needs

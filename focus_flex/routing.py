@@ -33,9 +33,22 @@ def top_groups(s: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def hard_groups(x: torch.Tensor, centroids: torch.Tensor, tau: float, k: int, chunk: int = 2048) -> torch.Tensor:
-    """:func:`top_groups` of :func:`scores`, ``[B, H, L, D]`` -> ``[B, H, L, k]``, routed ``chunk`` positions at a
-    time so that the float32 temporaries (normalised vectors, scores) stay a few MB at any length."""
-    return torch.cat([top_groups(scores(part, centroids, tau), k) for part in x.split(chunk, dim=2)], dim=2)
+    """:func:`top_groups` of :func:`scores`, ``[B, H, L, D]`` -> ``[B, H, L, k]``.
+
+    Ranks ``<x, C_g/|C_g|>``: the order of the scores, whose other factors (1/|x|, 1/tau) are positive per vector,
+    without normalising x (decode routes a few vectors per layer and step: op count is its cost). Routed ``chunk``
+    positions at a time, so the float32 scores stay a few MB at any length. ``tau`` must be positive.
+    """
+    (b, h, n, d), (hkv, g, _) = x.shape, centroids.shape
+    if h % hkv:
+        raise ValueError(f"{h} heads cannot share {hkv} KV-head centroid sets (not a multiple).")
+    c = F.normalize(centroids.float(), dim=-1).transpose(-1, -2)  # [Hkv, D, G]
+
+    def route(part: torch.Tensor) -> torch.Tensor:
+        m = part.shape[2]
+        return top_groups((part.float().reshape(b, hkv, h // hkv * m, d) @ c).reshape(b, h, m, g), k)
+
+    return route(x) if n <= chunk else torch.cat([route(part) for part in x.split(chunk, dim=2)], dim=2)
 
 
 def membership(groups: torch.Tensor) -> torch.Tensor:

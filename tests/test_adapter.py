@@ -107,7 +107,8 @@ def test_decode_reads_group_lists_and_matches_reference_across_caches(monkeypatc
     from focus_flex import attention
 
     model = tiny("llama")
-    adapter = FocusAdapter.for_model(model, CFG).attach(model)
+    adapter = FocusAdapter.for_model(model, CFG)
+    adapter.attach(model)
     calls = []
     indexed = attention.indexed_attention
     monkeypatch.setattr(attention, "indexed_attention", lambda *a, **k: calls.append(a[2].shape[2]) or indexed(*a, **k))
@@ -128,7 +129,8 @@ def test_key_index_follows_interleaved_caches():
     from transformers import DynamicCache
 
     model = tiny("llama")
-    adapter = FocusAdapter.for_model(model, CFG).attach(model)
+    adapter = FocusAdapter.for_model(model, CFG)
+    adapter.attach(model)
     x = ids(1, 40, seed=3)
     y = ids(1, 40, seed=4)
     caches = [DynamicCache(config=model.config), DynamicCache(config=model.config)]

@@ -156,7 +156,7 @@ def test_indexed_decode_matches_reference_over_many_steps(case, monkeypatch):
         for i in range(b):
             for h in range(hkv):
                 keys = ((member[i, h] >> g_) & 1).nonzero()[:, 0]
-                assert torch.equal(index.lists[i, h, g_, :index.counts[i, h, g_]].long(), keys)
+                assert torch.equal(index.lists[i, h, g_, :index.counts[i][h][g_]].long(), keys)
 
 
 def test_indexed_decode_bf16_and_padding_fallback():
