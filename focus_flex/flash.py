@@ -127,12 +127,15 @@ def far_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FarPlan, s
     d = q.shape[-1]
     qf = q.reshape(-1, d)
     lo, hi = plan.lo.tolist(), plan.hi.tolist()
-    for g in range(len(plan.bounds) - 1):
-        # Copies are sorted by position within a group, so hi grows: the ones with far keys are a suffix.
-        a0, b = plan.bounds[g], plan.bounds[g + 1]
-        a = bisect.bisect_right(hi, lo[a0], a0, b) if b > a0 else b
-        if a == b:
-            continue
+    # Copies are sorted by position within a group, so hi grows: the ones with far keys are a suffix [a, b).
+    ends = zip(plan.bounds[:-1], plan.bounds[1:], strict=True)
+    suffixes = [(a, b) for a, b in ((bisect.bisect_right(hi, lo[a0], a0, b), b) for a0, b in ends) if a < b]
+    # A tail mask is a staircase (row i sees the first n_i keys): rows of one template, picked by n_i.
+    width = max((hi[min(r0 + FAR_CHUNK, b) - 1] - hi[r0] for a, b in suffixes for r0 in range(a, b, FAR_CHUNK)),
+                default=0)
+    n = torch.arange(width + 1)
+    stairs = torch.zeros((), dtype=q.dtype).masked_fill(n[None, :width] >= n[:, None], float("-inf"))
+    for a, b in suffixes:
         k_lo, k_hi = lo[a], hi[b - 1]  # the group's keys any of its copies sees
         rows = plan.q_row[a:b]
         qs = qf.index_select(0, rows)[None, None]  # [1, 1, copies, D]: the flash op's layout
@@ -146,9 +149,9 @@ def far_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FarPlan, s
             rt = bisect.bisect_right(hi, hi[r0], r0, r1)  # rows [rt, r1) also see some of the keys [k1, k2)
             if rt < r1:
                 sl = (slice(None), slice(None), slice(rt - a, r1 - a))
-                mask = torch.where(torch.arange(k1, k2) < plan.hi[rt:r1, None] - k_lo, 0.0, float("-inf"))
+                mask = stairs[:, :k2 - k1].index_select(0, plan.hi[rt:r1] - (k_lo + k1))
                 po[1][sl], pl[1][sl] = _flash(qs[sl], ks[..., k1:k2, :], vs[..., k1:k2, :], 0.0, False,
-                                              attn_mask=mask.to(q.dtype), scale=scale)[:2]
+                                              attn_mask=mask, scale=scale)[:2]
         _merge_into(out, lse, rows, po.view(2, -1, d), pl.view(2, -1))
 
 
@@ -160,7 +163,7 @@ def _merge_into(out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, parts:
     new = torch.logaddexp(cur, torch.logsumexp(part_lse, 0))
     acc = out.index_select(0, rows).mul_((cur - new).exp_()[:, None])
     for o, l_ in zip(parts, part_lse, strict=True):
-        acc.add_(o.float() * (l_ - new).exp_()[:, None])
+        acc.addcmul_(o, (l_ - new).exp_()[:, None])
     out.index_copy_(0, rows, acc)
     lse.index_copy_(0, rows, new)
 
