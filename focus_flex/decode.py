@@ -98,10 +98,16 @@ def _spans(index: KeyIndex, lo: int, hi: int) -> list[list[list[list[int]]]]:
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, ok: torch.Tensor,
-            out: torch.Tensor) -> None:
+            out: torch.Tensor, threads: int) -> None:
     """Rows ``q`` ``[R, D]`` (float32, scaled) attend keys ``k[pos]`` / values ``v[pos]`` (k, v ``[L, D]``) where
-    ``ok`` ``[R, M]``; every row has an allowed key. Writes the float32 ``[R, D]`` result into ``out``."""
-    kg, vg = k.index_select(0, pos).float(), v.index_select(0, pos).float()
+    ``ok`` ``[R, M]``; every row has an allowed key. Writes the float32 ``[R, D]`` result into ``out``. The gather
+    (memory-bound) runs on ``threads`` intra-op threads, the rest on the caller's."""
+    inner = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kg, vg = k.index_select(0, pos).float(), v.index_select(0, pos).float()
+    finally:
+        torch.set_num_threads(inner)
     scores = torch.mm(q, kg.T).masked_fill_(~ok, float("-inf"))
     torch.mm(scores.softmax(-1), vg, out=out)
 
@@ -113,14 +119,15 @@ def _far_keys(index: KeyIndex, i: int, h: int, bounds: list[list[int]], union: i
 
 
 def indexed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
-                      config: FocusConfig, index: KeyIndex, scale: float) -> torch.Tensor:
+                      config: FocusConfig, index: KeyIndex, scale: float, threads: int = 1) -> torch.Tensor:
     """Few queries (the last Lq of Lk keys, no padding) against sinks + window + their groups' far keys.
 
     q ``[B, Hq, Lq, D]``, k/v ``[B, Hkv, Lk, D]`` with ``index`` routing exactly those Lk keys. Per (batch row, KV
     head), the candidates are the sinks and the window of the queries (slices) and the far keys of the groups of
     any of its query rows (GQA heads x queries; slices of the group lists, a key in several of them counted once).
     They are gathered once for all these rows, and each row masks the rest with the Focus rule; the softmax runs in
-    float32. Returns ``[B, Hq, Lq, D]``. O(rows x candidates) work, none of it proportional to Lk.
+    float32; the gathers use ``threads`` intra-op threads. Returns ``[B, Hq, Lq, D]``. O(rows x candidates) work,
+    none of it proportional to Lk.
     """
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
@@ -147,5 +154,5 @@ def indexed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroi
                 seg = torch.tensor(groups, device=dev).repeat_interleave(torch.tensor([len(x) for x in far]).to(dev))
                 shared = k_member[nl:] & unions[i][h]
                 ok[:, nl:] &= (shared & -shared) == (1 << seg)
-            _attend(qr[i, h], k[i, h], v[i, h], pos, ok, out[i, h])
+            _attend(qr[i, h], k[i, h], v[i, h], pos, ok, out[i, h], threads)
     return out.reshape(b, hq, lq, d).to(q.dtype)
