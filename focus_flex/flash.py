@@ -128,7 +128,7 @@ def far_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FarPlan, s
     qf = q.reshape(-1, d)
     lo, hi = plan.lo.tolist(), plan.hi.tolist()
     # Copies are sorted by position within a group, so hi grows: the ones with far keys are a suffix [a, b).
-    ends = zip(plan.bounds[:-1], plan.bounds[1:], strict=True)
+    ends = [(a0, b) for a0, b in zip(plan.bounds[:-1], plan.bounds[1:], strict=True) if a0 < b]
     suffixes = [(a, b) for a, b in ((bisect.bisect_right(hi, lo[a0], a0, b), b) for a0, b in ends) if a < b]
     # A tail mask is a staircase (row i sees the first n_i keys): rows of one template, picked by n_i.
     width = max((hi[min(r0 + FAR_CHUNK, b) - 1] - hi[r0] for a, b in suffixes for r0 in range(a, b, FAR_CHUNK)),

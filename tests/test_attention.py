@@ -100,6 +100,23 @@ def test_flash_kernel_over_many_chunks(case, chunks, monkeypatch):
     assert out.dtype == torch.bfloat16 and max_diff(out, ref) <= 2e-2
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_groups_nobody_routes_to(kernel):
+    """Every query and key points away from centroids 2 and 5: empty groups, the last one among them, must not trip
+    the plans."""
+    cfg = FocusConfig(num_groups=6, window=8, sink_tokens=2)
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, h, 300, 16, generator=gen) for h in (4, 2, 2))
+    q[..., 0], k[..., 0] = -10.0, -10.0
+    c = torch.randn(2, 6, 16, generator=gen)
+    c[..., 0] = 0.0
+    c[:, 2], c[:, 5] = torch.eye(16)[0], torch.eye(16)[0]
+    used = routing.hard_groups(torch.cat([q, k.repeat(1, 2, 1, 1)], 2), c, cfg.tau, 1).unique().tolist()
+    assert used == [0, 1, 3, 4]
+    out = focus_attention(q, k, v, c, cfg, kernel=kernel)
+    assert max_diff(out, reference_attention(q, k, v, c, cfg)) <= 1e-4
+
+
 def test_flash_kernel_takes_strided_inputs():
     """transformers hands attention ``[B, L, H, D]`` projections transposed to ``[B, H, L, D]`` (not contiguous)."""
     cfg = FocusConfig(num_groups=4, window=16, sink_tokens=2)
