@@ -212,7 +212,7 @@ def evaluate(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, *, 
             run("full", 1.0, None, "the model's own attention")
         elif mode == "focus":
             kernel = default_kernel(next(model.parameters()).device, cfg)
-            run("focus", None, None, f"hard top-{cfg.query_top_k} routing, fast path ({kernel} kernel)", adapter)
+            run("focus", None, None, f"hard routing (queries top-{cfg.query_top_k}, keys top-{cfg.key_top_k}), fast path ({kernel} kernel)", adapter)
         elif mode == "soft":
             run("soft", 1.0, None, "soft routing (training path), dense", adapter, fast="soft")
         elif mode == "window":
