@@ -112,10 +112,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
     torch.mm(scores.softmax(-1), vg, out=out)
 
 
-def _far_keys(index: KeyIndex, i: int, h: int, bounds: list[list[int]], union: int) -> tuple[list[int], list]:
-    """The groups in the bitmask ``union`` with far keys for (batch row i, KV head h), and those keys' positions."""
+def _far_keys(lists: torch.Tensor, bounds: list[list[int]], union: int) -> tuple[list[int], list]:
+    """The groups in the bitmask ``union`` with far keys, and those keys' positions (``lists``: one (batch row, KV
+    head)'s ``[G, capacity]`` lists)."""
     groups = [g for g, (lo, hi) in enumerate(bounds) if union >> g & 1 and hi > lo]
-    return groups, [index.lists[i, h, g, bounds[g][0]:bounds[g][1]] for g in groups]
+    return groups, [lists[g, bounds[g][0]:bounds[g][1]] for g in groups]
 
 
 def indexed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
@@ -136,20 +137,25 @@ def indexed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroi
     q_member = routing.hard_membership(q, centroids, config.tau, config.query_top_k).reshape(b, hkv, rows)
     near_lo = max(s, lk - lq - w + 1)  # keys from here on are near some query; far keys lie in [s, near_lo)
     local = torch.cat([torch.arange(min(s, lk), device=dev), torch.arange(near_lo, lk, device=dev)]).int()
-    q_pos = torch.arange(lk - lq, lk, device=dev).repeat(rows // lq)[:, None]  # [rows, 1]
-    causal, near = local <= q_pos, (q_pos - local < w) | (local < s)  # [rows, local keys]
+    if lq > 1:  # (one query: every local candidate is near it or a sink, and causal)
+        q_pos = torch.arange(lk - lq, lk, device=dev).repeat(rows // lq)[:, None]  # [rows, 1]
+        causal, near = local <= q_pos, (q_pos - local < w) | (local < s)  # [rows, local keys]
     bounds = _spans(index, s, near_lo)
     unions = [[functools.reduce(operator.or_, m) for m in heads] for heads in q_member.tolist()]  # [B][Hkv]
     qr = q.reshape(b, hkv, rows, d).float() * scale
     out = qr.new_empty(b, hkv, rows, d)
     nl = local.shape[0]
+    q_member = q_member[..., None]  # [B, Hkv, rows, 1]
     for i in range(b):
         for h in range(hkv):
-            groups, far = _far_keys(index, i, h, bounds[i][h], unions[i][h])
+            groups, far = _far_keys(index.lists[i, h], bounds[i][h], unions[i][h])
             pos = torch.cat([local, *far])
             k_member = index.member[i, h].index_select(0, pos)
-            ok = (k_member & q_member[i, h, :, None]) != 0  # same group: all a far key needs
-            ok[:, :nl] = (ok[:, :nl] | near) & causal
+            ok = (k_member & q_member[i, h]) != 0  # same group: all a far key needs
+            if lq > 1:
+                ok[:, :nl] = (ok[:, :nl] | near) & causal
+            else:
+                ok[:, :nl] = True
             if config.key_top_k > 1 and len(groups) > 1:  # a far key in several listed groups: keep its lowest
                 seg = torch.tensor(groups, device=dev).repeat_interleave(torch.tensor([len(x) for x in far]).to(dev))
                 shared = k_member[nl:] & unions[i][h]

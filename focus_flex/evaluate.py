@@ -212,7 +212,8 @@ def evaluate(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, *, 
             run("full", 1.0, None, "the model's own attention")
         elif mode == "focus":
             kernel = default_kernel(next(model.parameters()).device, cfg)
-            run("focus", None, None, f"hard routing (queries top-{cfg.query_top_k}, keys top-{cfg.key_top_k}), fast path ({kernel} kernel)", adapter)
+            routed = f"queries top-{cfg.query_top_k}, keys top-{cfg.key_top_k}"
+            run("focus", None, None, f"hard routing ({routed}), fast path ({kernel} kernel)", adapter)
         elif mode == "soft":
             run("soft", 1.0, None, "soft routing (training path), dense", adapter, fast="soft")
         elif mode == "window":
