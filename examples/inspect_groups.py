@@ -135,7 +135,7 @@ with torch.no_grad():
             q, k, _ = qkv[layer]
             cent = adapter.centroids[slot]
             key_scores[layer].append(routing.scores(k, cent, cfg.tau)[0])
-            query_member[layer].append(routing.hard_membership(q, cent, cfg.tau, cfg.query_top_k)[0])
+            query_member[layer].append(routing.hard_membership(q, cent, cfg.query_top_k)[0])
         if len(key_scores[pattern_layer]) == 1:
             pattern_qk = qkv[pattern_layer][:2]  # the first window's queries and keys, for the picture below
 key_scores = {layer: torch.cat(s, dim=1) for layer, s in key_scores.items()}  # [Hkv, N, G]
@@ -240,8 +240,8 @@ pattern = focus_pattern(q, k, cent, cfg)[0, h]
 local = causal & ((i - j < cfg.window) | (j < cfg.sink_tokens))
 kinds = local.long() + 2 * (pattern & ~local).long()  # 0 skipped, 1 window/sink, 2 same group
 
-q_member = routing.hard_membership(q, cent, cfg.tau, cfg.query_top_k)[0, h]
-k_member = routing.hard_membership(k, cent, cfg.tau, cfg.key_top_k)[0, kv]
+q_member = routing.hard_membership(q, cent, cfg.query_top_k)[0, h]
+k_member = routing.hard_membership(k, cent, cfg.key_top_k)[0, kv]
 same_group = causal & ((q_member[:, None] & k_member[None, :]) != 0)
 q_group = routing.top_groups(routing.scores(q, cent, cfg.tau), 1)[0, h, :, 0]
 k_group = routing.top_groups(routing.scores(k, cent, cfg.tau), 1)[0, kv, :, 0]

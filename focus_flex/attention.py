@@ -80,9 +80,9 @@ def focus_pattern(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, con
     valid = check_inputs(q, k, k, centroids, config, attention_mask)
     lq, lk, hq = q.shape[2], k.shape[2], q.shape[1]
     if q_member is None:
-        q_member = routing.hard_membership(q, centroids, config.tau, config.query_top_k)
+        q_member = routing.hard_membership(q, centroids, config.query_top_k)
     if k_member is None:
-        k_member = routing.hard_membership(k, centroids, config.tau, config.key_top_k)
+        k_member = routing.hard_membership(k, centroids, config.key_top_k)
     k_member = k_member.repeat_interleave(hq // k.shape[1], dim=1)
     pos = token_positions(valid)
     q_pos, q_valid = pos[:, lk - lq:], valid[:, lk - lq:]
@@ -351,9 +351,9 @@ def plan_attention(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, co
                    k_groups: torch.Tensor | None = None) -> FocusPlan:
     """Route tokens and build both calls' layouts and block masks (no O(N^2) work)."""
     if q_groups is None:
-        q_groups = routing.hard_groups(q, centroids, config.tau, config.query_top_k)
+        q_groups = routing.hard_groups(q, centroids, config.query_top_k)
     if k_groups is None:
-        k_groups = routing.hard_groups(k, centroids, config.tau, config.key_top_k)
+        k_groups = routing.hard_groups(k, centroids, config.key_top_k)
     return FocusPlan(_plan_local(valid, q.shape[2], config), _plan_far(q_groups, k_groups, valid, config))
 
 
@@ -368,8 +368,8 @@ def _few_queries_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ce
     hkv, lk = k.shape[1], k.shape[2]
     rows = hq // hkv * lq  # query rows per KV head, ordered (head in group, query)
     if k_member is None:
-        k_member = routing.hard_membership(k, centroids, config.tau, config.key_top_k)
-    q_member = routing.hard_membership(q, centroids, config.tau, config.query_top_k).reshape(b, hkv, rows)
+        k_member = routing.hard_membership(k, centroids, config.key_top_k)
+    q_member = routing.hard_membership(q, centroids, config.query_top_k).reshape(b, hkv, rows)
     pos = token_positions(valid)
     q_pos, q_valid = pos[:, lk - lq:], valid[:, lk - lq:]
     j = torch.arange(lk, device=k.device)
@@ -600,9 +600,9 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
     # Key routing a KV cache already did; else each kernel routes the keys itself.
     k_groups = None if k_member is None else groups_from_membership(k_member, config.key_top_k, config.num_groups)
     if (kernel or default_kernel(q.device, config)) == "flash":
-        q_groups = routing.hard_groups(q, centroids, config.tau, config.query_top_k)
+        q_groups = routing.hard_groups(q, centroids, config.query_top_k)
         if k_groups is None:
-            k_groups = routing.hard_groups(k, centroids, config.tau, config.key_top_k)
+            k_groups = routing.hard_groups(k, centroids, config.key_top_k)
         return flash.flash_attention(q, k, v, q_groups, k_groups, valid, config, scale)
     threads = torch.get_num_threads()
     out = torch.empty_like(q)

@@ -382,8 +382,8 @@ def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
         if kernel == "flex":
             with attention._threads(1):
                 return attention.plan_attention(q, k, c, cfg, valid=valid)
-        qg = routing.hard_groups(q, c, cfg.tau, cfg.query_top_k)
-        kg = routing.hard_groups(k, c, cfg.tau, cfg.key_top_k)
+        qg = routing.hard_groups(q, c, cfg.query_top_k)
+        kg = routing.hard_groups(k, c, cfg.key_top_k)
         return [flash.far_plan(qg[0, j * rep:(j + 1) * rep], kg[0, j], 0, cfg) for j in range(HKV)]
 
     res: dict[str, Any] = {"n": n, "dtype": spec["dtype"], "threads": threads, "kernel": kernel}

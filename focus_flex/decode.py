@@ -63,7 +63,7 @@ class KeyIndex:
         few MB instead of several times the keys' size.
         """
         for chunk in keys.split(APPEND_CHUNK, dim=2):
-            self.append(routing.hard_groups(chunk, centroids, config.tau, config.key_top_k))
+            self.append(routing.hard_groups(chunk, centroids, config.key_top_k))
 
     def append(self, groups: torch.Tensor) -> None:
         """Add the keys that follow the current ones, given their groups ``[B, Hkv, L, k]``."""
@@ -134,7 +134,7 @@ def indexed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroi
     hkv, lk = k.shape[1], k.shape[2]
     rows = hq // hkv * lq  # query rows per KV head, ordered (head in group, query)
     s, w, dev = config.sink_tokens, config.window, k.device
-    q_member = routing.hard_membership(q, centroids, config.tau, config.query_top_k).reshape(b, hkv, rows)
+    q_member = routing.hard_membership(q, centroids, config.query_top_k).reshape(b, hkv, rows)
     near_lo = max(s, lk - lq - w + 1)  # keys from here on are near some query; far keys lie in [s, near_lo)
     local = torch.cat([torch.arange(min(s, lk), device=dev), torch.arange(near_lo, lk, device=dev)]).int()
     if lq > 1:  # (one query: every local candidate is near it or a sink, and causal)

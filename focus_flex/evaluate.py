@@ -152,8 +152,8 @@ class RoutingMeter:
     def __call__(self, adapter: FocusAdapter, args: tuple, output: Any) -> None:
         _, slot, query, key = args[:4]
         c, cfg = adapter.centroids[slot].detach(), adapter.config
-        qm = routing.hard_membership(query, c, cfg.tau, cfg.query_top_k)
-        km = routing.hard_membership(key, c, cfg.tau, cfg.key_top_k)
+        qm = routing.hard_membership(query, c, cfg.query_top_k)
+        km = routing.hard_membership(key, c, cfg.key_top_k)
         self.density.append(pattern_density(qm, km, cfg.window, cfg.sink_tokens).mean().item())
         self.balance.append(routing.group_balance(km, cfg.num_groups).mean().item())
 

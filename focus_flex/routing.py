@@ -10,17 +10,23 @@ import torch
 import torch.nn.functional as F
 
 
+def _per_kv_head(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """``[B, H, L, D]`` -> ``[B, Hkv, H/Hkv * L, D]`` in float32: the query heads of each KV head, stacked."""
+    b, h, n, d = x.shape
+    if h % hkv:
+        raise ValueError(f"{h} heads cannot share {hkv} KV-head centroid sets (not a multiple).")
+    return x.float().reshape(b, hkv, h // hkv * n, d)
+
+
 def scores(x: torch.Tensor, centroids: torch.Tensor, tau: float) -> torch.Tensor:
     """Routing scores ``<x/|x|, C_g/|C_g|> / tau``.
 
     x: ``[B, H, L, D]``; centroids: ``[Hkv, G, D]`` with H a multiple of Hkv. Returns ``[B, H, L, G]``
     in float32 (routing decisions must not depend on the activation dtype's rounding).
     """
-    (b, h, n, d), (hkv, g, _) = x.shape, centroids.shape
-    if h % hkv:
-        raise ValueError(f"{h} heads cannot share {hkv} KV-head centroid sets (not a multiple).")
+    (b, h, n, _), g = x.shape, centroids.shape[1]
     c = F.normalize(centroids.float(), dim=-1)
-    x = F.normalize(x.float(), dim=-1).reshape(b, hkv, h // hkv * n, d)  # the query heads of a KV head, stacked
+    x = F.normalize(_per_kv_head(x, centroids.shape[0]), dim=-1)
     return (x @ c.transpose(-1, -2)).reshape(b, h, n, g) / tau
 
 
@@ -32,23 +38,20 @@ def top_groups(s: torch.Tensor, k: int) -> torch.Tensor:
     return s.argmax(-1, keepdim=True) if k == 1 else s.topk(k, dim=-1).indices
 
 
-def hard_groups(x: torch.Tensor, centroids: torch.Tensor, tau: float, k: int, chunk: int = 2048) -> torch.Tensor:
-    """:func:`top_groups` of :func:`scores`, ``[B, H, L, D]`` -> ``[B, H, L, k]``.
+def hard_groups(x: torch.Tensor, centroids: torch.Tensor, k: int, chunk: int = 2048) -> torch.Tensor:
+    """The top-k groups of every vector, ``[B, H, L, D]`` -> ``[B, H, L, k]``: :func:`top_groups` of ``<x, C_g/|C_g|>``.
 
-    Ranks ``<x, C_g/|C_g|>``: the order of the scores, whose other factors (1/|x|, 1/tau) are positive per vector,
-    without normalising x (decode routes a few vectors per layer and step: op count is its cost). Routed ``chunk``
-    positions at a time, so the float32 scores stay a few MB at any length. ``tau`` must be positive.
+    That is the order of :func:`scores` (their other factors, 1/|x| and 1/tau, are positive per vector), without
+    normalising x: decode routes a few vectors per layer and step, and there the op count is the cost. Routed
+    ``chunk`` positions at a time, so the float32 scores stay a few MB at any length.
     """
-    (b, h, n, d), (hkv, g, _) = x.shape, centroids.shape
-    if h % hkv:
-        raise ValueError(f"{h} heads cannot share {hkv} KV-head centroid sets (not a multiple).")
+    (b, h, _, _), (hkv, g, _) = x.shape, centroids.shape
     c = F.normalize(centroids.float(), dim=-1).transpose(-1, -2)  # [Hkv, D, G]
 
     def route(part: torch.Tensor) -> torch.Tensor:
-        m = part.shape[2]
-        return top_groups((part.float().reshape(b, hkv, h // hkv * m, d) @ c).reshape(b, h, m, g), k)
+        return top_groups((_per_kv_head(part, hkv) @ c).reshape(b, h, part.shape[2], g), k)
 
-    return route(x) if n <= chunk else torch.cat([route(part) for part in x.split(chunk, dim=2)], dim=2)
+    return route(x) if x.shape[2] <= chunk else torch.cat([route(p) for p in x.split(chunk, dim=2)], dim=2)
 
 
 def membership(groups: torch.Tensor) -> torch.Tensor:
@@ -61,9 +64,9 @@ def member_bits(member: torch.Tensor, num_groups: int) -> torch.Tensor:
     return (member.unsqueeze(-1) >> torch.arange(num_groups, device=member.device)) & 1
 
 
-def hard_membership(x: torch.Tensor, centroids: torch.Tensor, tau: float, k: int) -> torch.Tensor:
+def hard_membership(x: torch.Tensor, centroids: torch.Tensor, k: int) -> torch.Tensor:
     """Bitmask of the top-k groups of every vector: ``[B, H, L, D]`` -> ``[B, H, L]`` int64."""
-    return membership(hard_groups(x, centroids, tau, k))
+    return membership(hard_groups(x, centroids, k))
 
 
 def soft_membership(s: torch.Tensor, k: int) -> torch.Tensor:

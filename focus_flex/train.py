@@ -253,8 +253,8 @@ def hard_fidelity(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: 
     """How well the hard Focus pattern reproduces full attention at ``query_idx``, per head ``[B, Hq]`` each:
     (full-attention mass it keeps, mean over the queries; :func:`output_error` of its outputs)."""
     p, near, future = _attention_rows(q, k, config, query_idx, scale)
-    qm = routing.hard_membership(q[:, :, query_idx], centroids, config.tau, config.query_top_k)
-    km = routing.hard_membership(k, centroids, config.tau, config.key_top_k)
+    qm = routing.hard_membership(q[:, :, query_idx], centroids, config.query_top_k)
+    km = routing.hard_membership(k, centroids, config.key_top_k)
     km = km.repeat_interleave(q.shape[1] // k.shape[1], 1)
     keep = (near | (((qm[..., :, None] & km[..., None, :]) != 0) & ~future)).float()
     vv = v.float().repeat_interleave(q.shape[1] // k.shape[1], 1)
@@ -361,8 +361,8 @@ def dev_metrics(adapter: FocusAdapter, dev_qkv: list[QKV], num_queries: int = 25
             fidelity = hard_fidelity(q, k, v, c, cfg, idx)
             kept.append(fidelity[0].mean())
             err.append(fidelity[1].mean())
-            qm = routing.hard_membership(q, c, cfg.tau, cfg.query_top_k)
-            km = routing.hard_membership(k, c, cfg.tau, cfg.key_top_k)
+            qm = routing.hard_membership(q, c, cfg.query_top_k)
+            km = routing.hard_membership(k, c, cfg.key_top_k)
             dens.append(pattern_density(qm, km, cfg.window, cfg.sink_tokens).mean())
             bal.append(routing.group_balance(km, cfg.num_groups).mean())
     mean = lambda xs: float(torch.stack(xs).mean())

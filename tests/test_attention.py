@@ -111,7 +111,7 @@ def test_groups_nobody_routes_to(kernel):
     c = torch.randn(2, 6, 16, generator=gen)
     c[..., 0] = 0.0
     c[:, 2], c[:, 5] = torch.eye(16)[0], torch.eye(16)[0]
-    used = routing.hard_groups(torch.cat([q, k.repeat(1, 2, 1, 1)], 2), c, cfg.tau, 1).unique().tolist()
+    used = routing.hard_groups(torch.cat([q, k.repeat(1, 2, 1, 1)], 2), c, 1).unique().tolist()
     assert used == [0, 1, 3, 4]
     out = focus_attention(q, k, v, c, cfg, kernel=kernel)
     assert max_diff(out, reference_attention(q, k, v, c, cfg)) <= 1e-4
@@ -167,7 +167,7 @@ def test_indexed_decode_matches_reference_over_many_steps(case, monkeypatch):
         steps += 1
     assert steps > 20
     # The index holds every key's routing, and each group's list holds exactly its keys in order.
-    member = routing.hard_membership(k, c, cfg.tau, kk)
+    member = routing.hard_membership(k, c, kk)
     assert torch.equal(index.member.long(), member)
     for g_ in range(g):
         for i in range(b):

@@ -29,7 +29,7 @@ def test_pattern_density_counts_exactly_what_focus_pattern_allows(kq, kk, window
     cfg = FocusConfig(num_groups=6, query_top_k=kq, key_top_k=kk, window=window, sink_tokens=sinks)
     q, k, c = torch.randn(2, 4, n, 8), torch.randn(2, 2, n, 8), torch.randn(2, 6, 8)
     expected = focus_pattern(q, k, c, cfg).sum((-1, -2)).double() / (n * (n + 1) / 2)
-    qm, km = routing.hard_membership(q, c, cfg.tau, kq), routing.hard_membership(k, c, cfg.tau, kk)
+    qm, km = routing.hard_membership(q, c, kq), routing.hard_membership(k, c, kk)
     assert torch.allclose(E.pattern_density(qm, km, window, sinks), expected, atol=1e-12)
 
 

@@ -182,7 +182,7 @@ def test_kmeans_init_gives_unit_centroids_on_key_clusters():
     qkv = T.teacher_qkv(model, windows()[:1])
     T.kmeans_init(adapter, qkv, seed=0)
     assert torch.allclose(adapter.centroids.norm(dim=-1), torch.ones(()), atol=1e-5)
-    km = routing.hard_membership(qkv[0][1], adapter.centroids[0], 0.1, 1)
+    km = routing.hard_membership(qkv[0][1], adapter.centroids[0], 1)
     assert (routing.group_balance(km, 4) < 4).all()  # no group holds every key
 
 
