@@ -176,6 +176,28 @@ def test_indexed_decode_matches_reference_over_many_steps(case, monkeypatch):
                 assert torch.equal(index.lists[i, h, g_, :index.counts[i][h][g_]].long(), keys)
 
 
+def test_decode_gathers_on_outer_threads_and_restores_them(monkeypatch):
+    """Decode runs its small ops on one thread but gathers on the caller's threads, and leaves the count as it was."""
+    from focus_flex import attention, decode
+
+    cfg = FocusConfig(num_groups=4, window=8, sink_tokens=2)
+    seen = []
+    select = torch.Tensor.index_select
+    monkeypatch.setattr(decode.torch.Tensor, "index_select", lambda *a, **k: seen.append(torch.get_num_threads())
+                        or select(*a, **k))
+    old, steps = torch.get_num_threads(), 0
+    torch.set_num_threads(2)
+    try:
+        for c, q, k, v, index in decode_steps(1, 4, 2, cfg, n=60):
+            out = focus_attention(q, k, v, c, cfg, key_index=index)
+            assert torch.get_num_threads() == 2 and attention.outer_threads() == 2
+            assert max_diff(out, reference_attention(q, k, v, c, cfg)) <= 1e-4
+            steps += 1
+    finally:
+        torch.set_num_threads(old)
+    assert seen == [1, 2, 2] * (2 * steps)  # per KV head: its keys' group bits (small), then keys and values
+
+
 def test_indexed_decode_bf16_and_padding_fallback():
     cfg = FocusConfig(num_groups=4, query_top_k=2, window=8, sink_tokens=2)
     for c, q, k, v, index in decode_steps(2, 4, 2, cfg, dtype=torch.bfloat16, n=80):
