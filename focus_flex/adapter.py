@@ -21,9 +21,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from focus_flex.attention import DECODE_MAX_QUERIES, focus_attention, reference_attention, small_work, soft_attention
+from focus_flex.attention import DECODE_MAX_QUERIES, focus_attention, reference_attention, soft_attention
 from focus_flex.config import CONFIG_NAME, WEIGHTS_NAME, FocusConfig
 from focus_flex.decode import KeyIndex
+from focus_flex.threads import small_work
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt2")
 MODES = ("fast", "reference", "soft")

@@ -9,9 +9,7 @@ the unpadded sequence. Rows of padded queries come out as zeros.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +20,7 @@ from focus_flex import flash, routing
 from focus_flex.config import FocusConfig
 from focus_flex.decode import KeyIndex, indexed_attention
 from focus_flex.masks import block_density, far_mask_mod, local_mask_mod, range_block_mask
+from focus_flex.threads import outer, small_work, using
 
 DECODE_MAX_QUERIES = 16  # up to this many queries, the fast path gathers keys instead of calling flex
 LSE_SAFE = 1e-30  # flag channels below this are not trusted: such rows take an exact fallback
@@ -396,40 +395,6 @@ def _few_queries_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ce
     return torch.einsum("bhrm,bhmd->bhrd", p, vg).reshape(b, hq, lq, d).to(q.dtype)
 
 
-_outer: list[int] = []  # thread counts that _threads replaced, outermost first
-
-
-@contextlib.contextmanager
-def _threads(n: int) -> Iterator[None]:
-    """Run the block with ``n`` intra-op threads (restored afterwards)."""
-    old = torch.get_num_threads()
-    if n == old:
-        yield
-        return
-    torch.set_num_threads(n)
-    _outer.append(old)
-    try:
-        yield
-    finally:
-        _outer.pop()
-        torch.set_num_threads(old)
-
-
-def outer_threads() -> int:
-    """The intra-op thread count outside any :func:`small_work` block: for the large memory-bound copies inside one
-    (gathering a decode step's keys is ~2x faster on two threads)."""
-    return _outer[0] if _outer else torch.get_num_threads()
-
-
-def small_work(device: torch.device) -> contextlib.AbstractContextManager[None]:
-    """Run latency-bound work (many small ops: routing, planning, decode) on one intra-op thread on CPU.
-
-    OpenMP barriers of small ops cost more than they save, and far more on a busy machine: with 2 threads and the
-    other core taken by another process, a 64-dim matmul that takes 20 us on one thread takes ~8 ms.
-    """
-    return _threads(1 if device.type == "cpu" else torch.get_num_threads())
-
-
 def _flex_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, scale: float, extra: torch.Tensor,
               threads: int, score: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """One compiled flex call: (raw output ``[B, H, L, D+2]``, r_real, lse, trusted), the last three ``[B, H, L]``.
@@ -447,7 +412,7 @@ def _flex_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask
         q = torch.cat([q, c[..., None]], -1)
         k = torch.cat([k, extra[..., None].expand(k.shape[0], k.shape[1], -1, 1).to(k.dtype)], -1)
         shift = c.float() * scale
-    with _threads(threads):
+    with using(threads):
         out = compiled_flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     real, extra_w = out[..., d].float(), out[..., d + 1].float()
     lse = real.log() - extra_w.clamp_min(torch.finfo(torch.float32).tiny).log() + shift
@@ -594,7 +559,7 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
     if lq <= DECODE_MAX_QUERIES:
         with small_work(q.device):
             if key_index is not None and (attention_mask is None or bool(valid.all())):
-                return indexed_attention(q, k, v, centroids, config, key_index, scale, outer_threads())
+                return indexed_attention(q, k, v, centroids, config, key_index, scale, outer())
             return _few_queries_attention(q, k, v, centroids, config, valid, k_member, scale)
 
     # Key routing a KV cache already did; else each kernel routes the keys itself.

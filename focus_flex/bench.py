@@ -350,6 +350,7 @@ def balanced_inputs(n: int, dtype: torch.dtype, groups: int, seed: int = 0) -> t
 def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
     from focus_flex import attention, flash, masks, routing
     from focus_flex.config import FocusConfig
+    from focus_flex.threads import small_work
 
     n, dtype = spec["n"], getattr(torch, spec["dtype"])
     cfg = FocusConfig(**spec["focus"])
@@ -373,14 +374,14 @@ def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
     def window() -> Any:  # window + sinks only: the default kernel's local part on its own
         if kernel == "flash":
             return [flash.local_part(q[0, j * rep:(j + 1) * rep], k[0, j], v[0, j], 0, cfg, scale) for j in range(HKV)]
-        with attention._threads(1):
+        with small_work(q.device):
             lay = attention._plan_local(valid, n, cfg)
             out, real, _ = attention._local_call(q, k, v, lay, cfg, scale, threads)
             return out[..., :HEAD_DIM] / real[..., None]
 
     def plan() -> Any:  # routing + planning, as the default kernel runs them
         if kernel == "flex":
-            with attention._threads(1):
+            with small_work(q.device):
                 return attention.plan_attention(q, k, c, cfg, valid=valid)
         qg = routing.hard_groups(q, c, cfg.query_top_k)
         kg = routing.hard_groups(k, c, cfg.key_top_k)

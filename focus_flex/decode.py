@@ -17,6 +17,7 @@ import torch
 
 from focus_flex import routing
 from focus_flex.config import FocusConfig
+from focus_flex.threads import using
 
 _END = torch.iinfo(torch.int32).max  # fills unused list slots, so every list row stays sorted
 APPEND_CHUNK = 4096  # keys routed into the lists at a time
@@ -102,12 +103,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
     """Rows ``q`` ``[R, D]`` (float32, scaled) attend keys ``k[pos]`` / values ``v[pos]`` (k, v ``[L, D]``) where
     ``ok`` ``[R, M]``; every row has an allowed key. Writes the float32 ``[R, D]`` result into ``out``. The gather
     (memory-bound) runs on ``threads`` intra-op threads, the rest on the caller's."""
-    inner = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with using(threads):
         kg, vg = k.index_select(0, pos).float(), v.index_select(0, pos).float()
-    finally:
-        torch.set_num_threads(inner)
     scores = torch.mm(q, kg.T).masked_fill_(~ok, float("-inf"))
     torch.mm(scores.softmax(-1), vg, out=out)
 

@@ -178,7 +178,7 @@ def test_indexed_decode_matches_reference_over_many_steps(case, monkeypatch):
 
 def test_decode_gathers_on_outer_threads_and_restores_them(monkeypatch):
     """Decode runs its small ops on one thread but gathers on the caller's threads, and leaves the count as it was."""
-    from focus_flex import attention, decode
+    from focus_flex import decode, threads
 
     cfg = FocusConfig(num_groups=4, window=8, sink_tokens=2)
     seen = []
@@ -190,7 +190,7 @@ def test_decode_gathers_on_outer_threads_and_restores_them(monkeypatch):
     try:
         for c, q, k, v, index in decode_steps(1, 4, 2, cfg, n=60):
             out = focus_attention(q, k, v, c, cfg, key_index=index)
-            assert torch.get_num_threads() == 2 and attention.outer_threads() == 2
+            assert torch.get_num_threads() == 2 and threads.outer() == 2
             assert max_diff(out, reference_attention(q, k, v, c, cfg)) <= 1e-4
             steps += 1
     finally:
