@@ -9,17 +9,20 @@ Sections (``--sections``):
   routing + planning (the flash kernel's sorts; the flex kernel's block masks). Routing is balanced: queries and
   keys are drawn around the centroids.
 * ``prefill`` — SmolLM2 end to end (``logits_to_keep=1``): Focus vs SDPA, plus the pair density of real routing.
-* ``decode`` — tokens/s on a KV cache of each length: Focus vs SDPA (one process per method). The cache holds a real
-  2K-token prefill's keys/values tiled to the length, in a preallocated cache (transformers' ``DynamicCache``
-  re-concatenates the whole cache every step, which would dominate both methods alike).
-* ``memory`` — peak RSS of Focus and SDPA for each op and prefill size, each method alone in a fresh process (its
-  first full-size call after a small warm-up), and of the decode runs.
+* ``decode`` — tokens/s on a KV cache of each length: Focus vs SDPA, alternating in one process, each on its own
+  cache. A cache holds a real 2K-token prefill's keys/values tiled to the length, preallocated (transformers'
+  ``DynamicCache`` re-concatenates the whole cache every step, which would dominate both methods alike).
+* ``memory`` — peak RSS of Focus and SDPA for each op, prefill and decode size, each method alone in a fresh process
+  (op and prefill: its first full-size call after a small warm-up; decode: its timed steps after two warm-up
+  steps), under both allocator settings: the C library's default (what a program importing focus_flex gets) and
+  the ``focus-flex`` command's.
 * ``compile`` — the flex kernel's first-call compile time (cold inductor cache) and recompiles while lengths vary
   (the flash kernel compiles nothing).
 
-Every configuration runs in a fresh subprocess (``python -m focus_flex.bench _worker SPEC``), with the allocator
-setting of the ``focus-flex`` command (:func:`focus_flex.cli.keep_freed_memory`: freed buffers stay in the heap
-instead of being faulted in again at every call; it matters for Focus' temporaries, not for SDPA). There each method is
+Every configuration runs in a fresh subprocess (``python -m focus_flex.bench _worker SPEC``), timings with the
+allocator setting of the ``focus-flex`` command (:func:`focus_flex.cli.keep_freed_memory`: freed buffers stay in
+the heap instead of being faulted in again at every call; it matters for Focus' temporaries, not for SDPA; it can
+also leave the heap more fragmented, so memory is reported under both settings). There each method is
 warmed up, then timed ``repeats`` times alternating with its baseline (min and median reported; a method stops
 repeating once it has used ``max_seconds``). A peak RSS is the process' high-water mark, reset
 (``/proc/self/clear_refs``) just before the measured call(s). Before anything is timed, the fast path is checked
@@ -49,6 +52,7 @@ import torch.nn.functional as F
 SECTIONS = ("op", "prefill", "decode", "memory", "compile")
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
 HQ, HKV, HEAD_DIM = 9, 3, 64  # SmolLM2-135M attention
+ALLOCATORS = ("default", "focus-flex")  # the C library's malloc as it comes; keep_freed_memory (the CLI's)
 TARGETS = {"op_speedup_32k": 8.0, "ideal_fraction": 0.8, "plan_share": 0.10, "prefill_16k": 2.0, "decode_32k": 3.0}
 
 
@@ -156,18 +160,19 @@ def run_bench(*, lengths: Sequence[int] = (4096, 8192, 16384, 32768), dtypes: Se
     if "decode" in sections:
         for n in decode_lengths:
             log(f"decode: cache={n} ...")
-            for method in ("sdpa", "focus"):  # one process each: clean peak RSS
-                worker("decode", {**model_spec, "task": "decode", "n": n, "tokens": decode_tokens, "method": method})
-            results["decode"][-2:] = [{**results["decode"][-2], **results["decode"][-1]}]
-    if "memory" in sections:  # a fresh process per method and size: nothing left over from other calls
+            worker("decode", {**model_spec, "task": "decode", "n": n, "tokens": decode_tokens})
+    if "memory" in sections:  # a fresh process per method, size and allocator: nothing left over from other calls
         sizes = [("op", n, dtype) for dtype in dtypes for n in lengths if "op" in sections]
         sizes += [("prefill", n, model_dtype) for n in prefill_lengths if "prefill" in sections]
+        sizes += [("decode", n, model_dtype) for n in decode_lengths if "decode" in sections]
         for of, n, dtype in sizes:
-            log(f"memory: {of} {dtype} N={n} ...")
-            spec = {**(model_spec if of == "prefill" else common), "task": "memory", "of": of, "n": n, "dtype": dtype}
-            pair = {m: _run_worker({**spec, "method": m}) for m in ("focus", "sdpa")}
-            results.setdefault("memory", []).append({"of": of, "n": n, "dtype": dtype,
-                                                     **{m: r["peak_rss_mb"] for m, r in pair.items()}})
+            for allocator in ALLOCATORS:
+                log(f"memory: {of} {dtype} N={n}, {allocator} allocator ...")
+                spec = {**(common if of == "op" else model_spec), "task": "memory", "of": of, "n": n, "dtype": dtype,
+                        "allocator": allocator, "tokens": decode_tokens}
+                pair = {m: _run_worker({**spec, "method": m}) for m in ("focus", "sdpa")}
+                results.setdefault("memory", []).append({"of": of, "n": n, "dtype": dtype, "allocator": allocator,
+                                                         **{m: r["peak_rss_mb"] for m, r in pair.items()}})
     if "compile" in sections:
         log("compile ...")
         worker("compile", {**common, "task": "compile", "dtype": dtypes[0]})
@@ -569,7 +574,9 @@ class _GrowingLayer:
         return GrowingLayer()
 
 
-def _decode_worker(spec: dict[str, Any]) -> dict[str, Any]:
+def _decode_setup(spec: dict[str, Any]) -> tuple[Any, Any, Callable[[], Any], Callable[..., torch.Tensor], Any]:
+    """Model, adapter (detached), a factory of caches holding ``spec["n"]`` tokens, a decode loop
+    ``run(count, cache, token) -> last token``, and the first token to feed."""
     from transformers import DynamicCache
 
     model, tokenizer, adapter = _load(spec)
@@ -579,11 +586,11 @@ def _decode_worker(spec: dict[str, Any]) -> dict[str, Any]:
     with torch.inference_mode():
         out = model(ids, use_cache=True, logits_to_keep=1)
     kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-    first = out.logits[:, -1].argmax(-1, keepdim=True)
+    capacity = n + (spec.get("repeats", 1) + 1) * steps + 4
 
     def fresh_cache() -> Any:  # the real prefill's K/V tiled to n tokens (attention cost does not depend on values)
         cache = DynamicCache(config=model.config)
-        cache.layers = [_GrowingLayer.make(n + steps + 4) for _ in kv]
+        cache.layers = [_GrowingLayer.make(capacity) for _ in kv]
         for i, (k, v) in enumerate(kv):
             reps = -(-n // real)
             cache.layers[i].update(k.repeat(1, 1, reps, 1)[:, :, :n], v.repeat(1, 1, reps, 1)[:, :, :n])
@@ -595,23 +602,35 @@ def _decode_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 tok = model(tok, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         return tok
 
-    res: dict[str, Any] = {"n": n, "tokens": steps, "model_dtype": spec["model_dtype"],
+    return model, adapter, fresh_cache, run, out.logits[:, -1].argmax(-1, keepdim=True)
+
+
+def _decode_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Both methods in one process, each on its own cache, ``tokens`` steps at a time, alternating."""
+    model, adapter, fresh_cache, run, first = _decode_setup(spec)
+    steps = spec["tokens"]
+    caches = {"sdpa": fresh_cache()}
+    last = {"sdpa": run(2, caches["sdpa"], first)}  # warm-up
+    adapter.attach(model)
+    caches["focus"] = fresh_cache()
+    last["focus"] = run(2, caches["focus"], first)  # warm-up (Focus: routes the whole cache once)
+
+    def step(name: str) -> None:
+        last[name] = run(steps, caches[name], last[name])
+
+    times = _measure({"focus": lambda: step("focus"), "sdpa": lambda: _as_sdpa(model, adapter, lambda: step("sdpa"))},
+                     spec["repeats"], spec["max_seconds"])
+    res: dict[str, Any] = {"n": spec["n"], "tokens": steps, "model_dtype": spec["model_dtype"],
                            "adapter": spec.get("adapter") or "k-means"}
-    name = spec["method"]
-    if name == "focus":
-        adapter.attach(model)
-    cache = fresh_cache()
-    tok = run(2, cache, first)  # warm-up (Focus: routes the whole cache once)
-    _reset_peak()
-    t = time.perf_counter()
-    run(steps, cache, tok)
-    dt = time.perf_counter() - t
-    res[name] = {"tokens_per_s": steps / dt, "s_per_token": dt / steps, "peak_rss_mb": _peak_mb()}
+    for name, t in times.items():
+        res[name] = {"tokens_per_s": steps / t["min"], "s_per_token": t["min"] / steps,
+                     "s_per_token_median": t["median"] / steps, "rounds": t["n"]}
     return res
 
 
 def _memory_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """Peak RSS of one method's first full-size call, alone in a fresh process (after a small warm-up call)."""
+    """Peak RSS of one method's first full-size call (decode: its timed steps), alone in a fresh process, after a
+    small warm-up call."""
     from focus_flex import attention
 
     n, method = spec["n"], spec["method"]
@@ -626,7 +645,7 @@ def _memory_worker(spec: dict[str, Any]) -> dict[str, Any]:
             if method == "focus":
                 return attention.focus_attention(qm, km, vm, c, cfg)
             return F.scaled_dot_product_attention(qm, km, vm, is_causal=True, enable_gqa=True)
-    else:
+    elif spec["of"] == "prefill":
         model, tokenizer, adapter = _load(spec)
         ids = _tokens(tokenizer, n)
         if method == "focus":
@@ -635,6 +654,15 @@ def _memory_worker(spec: dict[str, Any]) -> dict[str, Any]:
         def call(m: int) -> Any:
             with torch.inference_mode():
                 return model(ids[:, :m], use_cache=False, logits_to_keep=1)
+    else:  # decode: the timed steps, after two warm-up steps
+        model, adapter, fresh_cache, run, first = _decode_setup(spec)
+        if method == "focus":
+            adapter.attach(model)
+        cache = fresh_cache()
+        last = run(2, cache, first)
+
+        def call(m: int) -> Any:  # (m unused: every call is the same decode steps on the same cache)
+            return run(spec["tokens"], cache, last)
     call(512)
     _trim()  # give freed heap back, so that the baseline is live memory and every method starts from it
     before = _rss_mb()
@@ -675,8 +703,9 @@ def _compile_worker(spec: dict[str, Any]) -> dict[str, Any]:
 def _worker_main(argv: list[str]) -> int:
     from focus_flex.cli import keep_freed_memory
 
-    keep_freed_memory()  # the allocator setting of the focus-flex command, for every method alike
     spec = json.loads(argv[0])
+    if spec.get("allocator", "focus-flex") == "focus-flex":
+        keep_freed_memory()  # the allocator setting of the focus-flex command, for every method alike
     task = {"op": _op_worker, "prefill": _prefill_worker, "decode": _decode_worker, "memory": _memory_worker,
             "compile": _compile_worker}
     if spec["task"] == "compile" and not os.environ.get("FOCUS_BENCH_WARM"):
@@ -727,17 +756,15 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         if r["n"] >= 32768:
             add(f"decode >= 3x SDPA (cache={r['n']})", r["focus"]["tokens_per_s"] / r["sdpa"]["tokens_per_s"],
                 TARGETS["decode_32k"])
-    if "memory" in results.get("sections", SECTIONS):
-        for name, focus, sdpa in _memory_rows(results):
-            add(f"peak RSS <= SDPA's ({name})", focus / sdpa, 1.0, higher=False)
+    for name, allocator, focus, sdpa in _memory_rows(results):
+        add(f"peak RSS <= SDPA's ({name}, {allocator} allocator)", focus / sdpa, 1.0, higher=False)
     return out
 
 
-def _memory_rows(results: dict[str, Any]) -> list[tuple[str, float, float]]:
-    rows = [(f"{r['of']} {r['dtype']} N={r['n']}", r["focus"], r["sdpa"]) for r in results.get("memory", [])]
-    rows += [(f"decode cache={r['n']}", r["focus"]["peak_rss_mb"], r["sdpa"]["peak_rss_mb"])
-             for r in results.get("decode", [])]
-    return rows
+def _memory_rows(results: dict[str, Any]) -> list[tuple[str, str, float, float]]:
+    """(measurement, allocator, Focus MB, SDPA MB) of each memory record."""
+    return [(f"{r['of']} {r['dtype']} N={r['n']}", r.get("allocator", "focus-flex"), r["focus"], r["sdpa"])
+            for r in results.get("memory", [])]
 
 
 def _ms(x: float) -> str:
@@ -790,18 +817,23 @@ def to_markdown(results: dict[str, Any]) -> str:
                          f"{r['density']:.3f} | {r['compile_s']:.1f} |")
         lines.append("")
     if results.get("decode"):
-        lines += ["## Decode (tokens/s, KV cache of N tokens, preallocated cache for both)", "",
-                  "| cache N | dtype | Focus tok/s | SDPA tok/s | x SDPA |", "|---|---|---|---|---|"]
+        lines += ["## Decode (tokens/s on a KV cache of N tokens; both methods in one process, alternating rounds of "
+                  "steps, each on its own preallocated cache; best round)", "",
+                  "| cache N | dtype | steps x rounds | Focus tok/s | SDPA tok/s | x SDPA |", "|---" * 6 + "|"]
         for r in results["decode"]:
-            lines.append(f"| {r['n']} | {r['model_dtype']} | {r['focus']['tokens_per_s']:.2f} | "
-                         f"{r['sdpa']['tokens_per_s']:.2f} | "
+            rounds = min(r[m].get("rounds", 1) for m in ("focus", "sdpa"))
+            lines.append(f"| {r['n']} | {r['model_dtype']} | {r['tokens']} x {rounds} | "
+                         f"{r['focus']['tokens_per_s']:.2f} | {r['sdpa']['tokens_per_s']:.2f} | "
                          f"{r['focus']['tokens_per_s'] / r['sdpa']['tokens_per_s']:.2f} |")
         lines.append("")
-    if "memory" in results.get("sections", SECTIONS) and _memory_rows(results):
-        lines += ["## Peak RSS (MB: op and prefill, each method's first full-size call alone in a fresh process; "
-                  "decode, the timed steps of its own process)", "",
-                  "| measurement | Focus | SDPA | Focus / SDPA |", "|---|---|---|---|"]
-        lines += [f"| {name} | {fo:,.0f} | {sd:,.0f} | {fo / sd:.2f} |" for name, fo, sd in _memory_rows(results)]
+    if _memory_rows(results):
+        lines += ["## Peak RSS (MB; each method alone in a fresh process: op and prefill, its first full-size call; "
+                  "decode, its timed steps)", "",
+                  "`default`: the C library's allocator as a program importing focus_flex gets it; `focus-flex`: the "
+                  "command's setting (freed buffers kept in the heap: faster, but the heap can fragment).", "",
+                  "| measurement | allocator | Focus | SDPA | Focus / SDPA |", "|---|---|---|---|---|"]
+        lines += [f"| {name} | {alloc} | {fo:,.0f} | {sd:,.0f} | {fo / sd:.2f} |"
+                  for name, alloc, fo, sd in _memory_rows(results)]
         lines.append("")
     if results.get("compile"):
         c = results["compile"]

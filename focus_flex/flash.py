@@ -33,7 +33,7 @@ from focus_flex.config import FocusConfig
 
 LOCAL_CHUNK = 64  # query positions per local chunk (measured at window 256: 64 beats 32 and 128)
 FAR_CHUNK = 512  # query copies per far call (measured: 512 beats 256 and 1024 at 8K-32K)
-LOCAL_BATCH = 64  # local chunks per flash call (bounds the gathered keys to ~5 MB per tensor)
+LOCAL_BATCH = 32  # local chunks per flash call (gathered keys: ~2.6 MB per tensor; 64 is no faster, 16 slower)
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
@@ -46,8 +46,8 @@ def local_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, co
                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sinks + window for queries at positions ``[start, start + Lq)`` of one unpadded sequence.
 
-    q ``[R, Lq, D]`` (the query heads of one KV head), k/v ``[Lk, D]``. Returns the float32 output ``[R, Lq, D]``
-    (written into ``out`` if given: float32, contiguous, Lq a multiple of ``LOCAL_CHUNK``) and lse ``[R, Lq]``.
+    q ``[R, Lq, D]`` (the query heads of one KV head), k/v ``[Lk, D]``. Returns the output ``[R, Lq, D]`` (float32,
+    or written into ``out`` if given: contiguous, Lq a multiple of ``LOCAL_CHUNK``) and the float32 lse ``[R, Lq]``.
     Sinks (positions < sink_tokens) count only as sinks, never as window keys. Chunks go ``LOCAL_BATCH`` at a
     time, so the gathered keys stay a few MB.
     """
@@ -119,10 +119,10 @@ def far_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FarPlan, s
              lse: torch.Tensor) -> None:
     """Add the same-group pairs beyond the window and past the sinks to a partial result, in place.
 
-    q ``[R, Lq, D]``, k/v ``[Lk, D]``; ``out`` ``[R * Lq, D]`` (float32, normalised) and ``lse`` ``[R * Lq]`` hold the
-    local part (every row has a key). Group by group, chunks of its sorted query copies attend the keys every row of
-    the chunk sees, then the rest under a staircase mask; the group's results are merged into ``out`` and ``lse``
-    right away, so the temporaries are one group's.
+    q ``[R, Lq, D]``, k/v ``[Lk, D]``; ``out`` ``[R * Lq, D]`` (normalised, any float dtype) and ``lse``
+    ``[R * Lq]`` (float32) hold the local part (every row has a key). Group by group, chunks of its sorted query
+    copies attend the keys every row of the chunk sees, then the rest under a staircase mask; the group's results
+    are merged into ``out`` and ``lse`` right away, so the temporaries are one group's.
     """
     d = q.shape[-1]
     qf = q.reshape(-1, d)
@@ -157,14 +157,15 @@ def far_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FarPlan, s
 
 def _merge_into(out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, parts: torch.Tensor,
                 part_lse: torch.Tensor) -> None:
-    """``out[rows]``/``lse[rows]`` (float32, finite lse) united with parts ``[P, n, D]`` / ``[P, n]`` of the same
-    rows (normalised outputs, lse -inf where empty), exactly, in place. ``rows`` must not repeat."""
+    """``out[rows]`` (any float dtype; merged in float32) and ``lse[rows]`` (float32, finite) united with parts
+    ``[P, n, D]`` / ``[P, n]`` of the same rows (normalised outputs, lse -inf where empty), exactly, in place.
+    ``rows`` must not repeat."""
     cur = lse.index_select(0, rows)
     new = torch.logaddexp(cur, torch.logsumexp(part_lse, 0))
-    acc = out.index_select(0, rows).mul_((cur - new).exp_()[:, None])
+    acc = out.index_select(0, rows).float().mul_((cur - new).exp_()[:, None])
     for o, l_ in zip(parts, part_lse, strict=True):
         acc.addcmul_(o, (l_ - new).exp_()[:, None])
-    out.index_copy_(0, rows, acc)
+    out.index_copy_(0, rows, acc.to(out.dtype))
     lse.index_copy_(0, rows, new)
 
 
@@ -188,8 +189,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_groups:
             qj, kj, vj, qg, kg = q[i, hs], k[i, j], v[i, j], q_groups[i, hs], k_groups[i, j]
             if not dense:  # drop the padding: positions become indices
                 qj, qg, kj, vj, kg = qj[:, queries], qg[:, queries], kj[keys], vj[keys], kg[keys]
-            # Accumulate in the output itself where it can hold the float32 result as it is.
-            direct = dense and q.dtype == torch.float32 and m % LOCAL_CHUNK == 0
+            # Accumulate in the output itself where its layout allows. A low-precision output is rounded once more
+            # per merge (each merge sums in float32), instead of keeping a float32 copy of a head's whole result.
+            direct = dense and m % LOCAL_CHUNK == 0
             res, lse = local_part(qj, kj, vj, n - m, config, scale, out[i, hs] if direct else None)
             res, lse = res.reshape(rep * m, d), lse.reshape(rep * m)  # contiguous unless Lq is not a chunk multiple
             far_part(qj, kj, vj, far_plan(qg, kg, n - m, config), scale, res, lse)

@@ -10,12 +10,15 @@ import torch
 import torch.nn.functional as F
 
 
-def _per_kv_head(x: torch.Tensor, hkv: int) -> torch.Tensor:
-    """``[B, H, L, D]`` -> ``[B, Hkv, H/Hkv * L, D]`` in float32: the query heads of each KV head, stacked."""
-    b, h, n, d = x.shape
+def _dots(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``<x, c_g>`` in float32: x ``[B, H, L, D]``, c ``[Hkv, G, D]`` (H a multiple of Hkv) -> ``[B, H, L, G]``.
+
+    The query heads of each KV head are a view of x, never a copy (x is often a slice or a transposed view).
+    """
+    h, hkv = x.shape[1], c.shape[0]
     if h % hkv:
         raise ValueError(f"{h} heads cannot share {hkv} KV-head centroid sets (not a multiple).")
-    return x.float().reshape(b, hkv, h // hkv * n, d)
+    return (x.float().unflatten(1, (hkv, h // hkv)) @ c.transpose(-1, -2)[:, None]).flatten(1, 2)
 
 
 def scores(x: torch.Tensor, centroids: torch.Tensor, tau: float) -> torch.Tensor:
@@ -24,10 +27,7 @@ def scores(x: torch.Tensor, centroids: torch.Tensor, tau: float) -> torch.Tensor
     x: ``[B, H, L, D]``; centroids: ``[Hkv, G, D]`` with H a multiple of Hkv. Returns ``[B, H, L, G]``
     in float32 (routing decisions must not depend on the activation dtype's rounding).
     """
-    (b, h, n, _), g = x.shape, centroids.shape[1]
-    c = F.normalize(centroids.float(), dim=-1)
-    x = F.normalize(_per_kv_head(x, centroids.shape[0]), dim=-1)
-    return (x @ c.transpose(-1, -2)).reshape(b, h, n, g) / tau
+    return _dots(F.normalize(x.float(), dim=-1), F.normalize(centroids.float(), dim=-1)) / tau
 
 
 def top_groups(s: torch.Tensor, k: int) -> torch.Tensor:
@@ -45,13 +45,10 @@ def hard_groups(x: torch.Tensor, centroids: torch.Tensor, k: int, chunk: int = 2
     normalising x: decode routes a few vectors per layer and step, and there the op count is the cost. Routed
     ``chunk`` positions at a time, so the float32 scores stay a few MB at any length.
     """
-    (b, h, _, _), (hkv, g, _) = x.shape, centroids.shape
-    c = F.normalize(centroids.float(), dim=-1).transpose(-1, -2)  # [Hkv, D, G]
-
-    def route(part: torch.Tensor) -> torch.Tensor:
-        return top_groups((_per_kv_head(part, hkv) @ c).reshape(b, h, part.shape[2], g), k)
-
-    return route(x) if x.shape[2] <= chunk else torch.cat([route(p) for p in x.split(chunk, dim=2)], dim=2)
+    c = F.normalize(centroids.float(), dim=-1)
+    if x.shape[2] <= chunk:
+        return top_groups(_dots(x, c), k)
+    return torch.cat([top_groups(_dots(p, c), k) for p in x.split(chunk, dim=2)], dim=2)
 
 
 def membership(groups: torch.Tensor) -> torch.Tensor:

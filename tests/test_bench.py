@@ -19,8 +19,9 @@ def test_tiny_run_writes_json_markdown_and_plot(tmp_path):
     assert {"prefill, flash kernel", "prefill, flex kernel", "decode"} <= {c["case"] for c in res["correctness"]}
     assert 0 < op["pair_density"] <= 1 and 0 < op["density"]["total"] <= 2
     assert op["times"]["focus"]["min"] > 0
-    (mem,) = saved["memory"]
-    assert (mem["of"], mem["n"]) == ("op", 512) and mem["focus"] > 100 and mem["sdpa"] > 100
+    assert [m["allocator"] for m in saved["memory"]] == ["default", "focus-flex"]
+    for mem in saved["memory"]:
+        assert (mem["of"], mem["n"]) == ("op", 512) and mem["focus"] > 100 and mem["sdpa"] > 100
     assert 0 < op["density"]["total"] <= 2 and op["recompiles_after_warmup"] == 0
     md = (tmp_path / "bench.md").read_text()
     assert "## Attention op" in md and "## Peak RSS" in md and "## Targets" in md and "| float32 | 512 |" in md
@@ -62,4 +63,4 @@ def test_targets_report_met_and_missed():
     assert targets["attention op >= 8x SDPA (float32 N=32768)"]["met"]  # 10x
     assert targets["attention op >= 80% of ideal (float32 N=32768)"]["value"] == pytest.approx(1.0)
     assert not targets["routing + planning <= 10% of Focus (float32 N=32768)"]["met"]  # 12.5%
-    assert targets["peak RSS <= SDPA's (op float32 N=32768)"]["met"]
+    assert targets["peak RSS <= SDPA's (op float32 N=32768, focus-flex allocator)"]["met"]
