@@ -761,6 +761,22 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def decode_fit(decode: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Each method's seconds per token as ``fixed + per_1k * N / 1024``, through the shortest and longest cache, and
+    the speedup at the longest if Focus had SDPA's fixed cost (the rest of the model, identical for both, is the
+    bulk of it). None with fewer than two cache lengths."""
+    rows = sorted(decode, key=lambda r: r["n"])
+    if len(rows) < 2 or rows[0]["n"] == rows[-1]["n"]:
+        return None
+    (n0, r0), (n1, r1) = (rows[0]["n"], rows[0]), (rows[-1]["n"], rows[-1])
+    out: dict[str, Any] = {"n": [n0, n1]}
+    for m in ("focus", "sdpa"):
+        per_1k = (r1[m]["s_per_token"] - r0[m]["s_per_token"]) / (n1 - n0) * 1024
+        out[m] = {"per_1k": per_1k, "fixed": r1[m]["s_per_token"] - per_1k * n1 / 1024}
+    out["same_fixed_speedup"] = r1["sdpa"]["s_per_token"] / (out["sdpa"]["fixed"] + out["focus"]["per_1k"] * n1 / 1024)
+    return out
+
+
 def _memory_rows(results: dict[str, Any]) -> list[tuple[str, str, float, float]]:
     """(measurement, allocator, Focus MB, SDPA MB) of each memory record."""
     return [(f"{r['of']} {r['dtype']} N={r['n']}", r.get("allocator", "focus-flex"), r["focus"], r["sdpa"])
@@ -825,6 +841,14 @@ def to_markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {r['n']} | {r['model_dtype']} | {r['tokens']} x {rounds} | "
                          f"{r['focus']['tokens_per_s']:.2f} | {r['sdpa']['tokens_per_s']:.2f} | "
                          f"{r['focus']['tokens_per_s'] / r['sdpa']['tokens_per_s']:.2f} |")
+        fit = decode_fit(results["decode"])
+        if fit:
+            f, s = fit["focus"], fit["sdpa"]
+            lines += ["", f"Seconds per token as a line through the N={fit['n'][0]} and N={fit['n'][1]} rows, fixed + "
+                      f"per 1K cached tokens: Focus {f['fixed'] * 1e3:.0f} ms + {f['per_1k'] * 1e3:.2f} ms, SDPA "
+                      f"{s['fixed'] * 1e3:.0f} ms + {s['per_1k'] * 1e3:.2f} ms ({s['per_1k'] / f['per_1k']:.1f}x "
+                      f"less per cached token). With SDPA's fixed cost, Focus would run "
+                      f"{fit['same_fixed_speedup']:.2f}x SDPA at N={fit['n'][1]}."]
         lines.append("")
     if _memory_rows(results):
         lines += ["## Peak RSS (MB; each method alone in a fresh process: op and prefill, its first full-size call; "

@@ -15,9 +15,11 @@ def _dots(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
     The query heads of each KV head are a view of x, never a copy (x is often a slice or a transposed view).
     """
-    h, hkv = x.shape[1], c.shape[0]
+    (b, h, n, d), hkv = x.shape, c.shape[0]
     if h % hkv:
         raise ValueError(f"{h} heads cannot share {hkv} KV-head centroid sets (not a multiple).")
+    if n == 1:  # a decode step: [B, Hkv, H/Hkv, D] is a view, and a plain batched matmul costs fewer ops
+        return (x.float().reshape(b, hkv, h // hkv, d) @ c.transpose(-1, -2)).reshape(b, h, 1, -1)
     return (x.float().unflatten(1, (hkv, h // hkv)) @ c.transpose(-1, -2)[:, None]).flatten(1, 2)
 
 

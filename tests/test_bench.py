@@ -64,3 +64,17 @@ def test_targets_report_met_and_missed():
     assert targets["attention op >= 80% of ideal (float32 N=32768)"]["value"] == pytest.approx(1.0)
     assert not targets["routing + planning <= 10% of Focus (float32 N=32768)"]["met"]  # 12.5%
     assert targets["peak RSS <= SDPA's (op float32 N=32768, focus-flex allocator)"]["met"]
+
+
+def test_decode_fit_separates_fixed_and_per_token_costs():
+    """Two cache lengths give each method's fixed cost and cost per cached token."""
+    def row(n, focus_ms, sdpa_ms):
+        return {"n": n, "focus": {"s_per_token": focus_ms / 1e3}, "sdpa": {"s_per_token": sdpa_ms / 1e3}}
+
+    # Focus: 80 ms + 1 ms per 1K tokens; SDPA: 50 ms + 6 ms per 1K tokens.
+    fit = bench.decode_fit([row(32768, 112, 242), row(8192, 88, 98)])
+    assert fit["n"] == [8192, 32768]
+    assert fit["focus"]["fixed"] == pytest.approx(0.080) and fit["focus"]["per_1k"] == pytest.approx(0.001)
+    assert fit["sdpa"]["fixed"] == pytest.approx(0.050) and fit["sdpa"]["per_1k"] == pytest.approx(0.006)
+    assert fit["same_fixed_speedup"] == pytest.approx(242 / 82)
+    assert bench.decode_fit([row(8192, 88, 98)]) is None
