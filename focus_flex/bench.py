@@ -9,9 +9,11 @@ Sections (``--sections``):
   routing + planning (the flash kernel's sorts; the flex kernel's block masks). Routing is balanced: queries and
   keys are drawn around the centroids.
 * ``prefill`` — SmolLM2 end to end (``logits_to_keep=1``): Focus vs SDPA, plus the pair density of real routing.
-* ``decode`` — tokens/s on a KV cache of each length: Focus vs SDPA, alternating in one process, each on its own
-  cache. A cache holds a real 2K-token prefill's keys/values tiled to the length, preallocated (transformers'
-  ``DynamicCache`` re-concatenates the whole cache every step, which would dominate both methods alike).
+* ``decode`` — tokens/s on a KV cache of each length: Focus vs SDPA, alternating in one process (SDPA on a copy of
+  the model), each on its own cache. A cache holds a real 2K-token prefill's keys/values tiled to the length,
+  preallocated (transformers' ``DynamicCache`` re-concatenates the whole cache every step, which would dominate both
+  methods alike). A line through the shortest and longest cache splits each method's time per token into a fixed
+  part and a part per cached token.
 * ``memory`` — peak RSS of Focus and SDPA for each op, prefill and decode size, each method alone in a fresh process
   (op and prefill: its first full-size call after a small warm-up; decode: its timed steps after two warm-up
   steps), under both allocator settings: the C library's default (what a program importing focus_flex gets) and
@@ -576,7 +578,7 @@ class _GrowingLayer:
 
 def _decode_setup(spec: dict[str, Any]) -> tuple[Any, Any, Callable[[], Any], Callable[..., torch.Tensor], Any]:
     """Model, adapter (detached), a factory of caches holding ``spec["n"]`` tokens, a decode loop
-    ``run(count, cache, token) -> last token``, and the first token to feed."""
+    ``run(model, count, cache, token) -> last token``, and the first token to feed."""
     from transformers import DynamicCache
 
     model, tokenizer, adapter = _load(spec)
@@ -596,7 +598,7 @@ def _decode_setup(spec: dict[str, Any]) -> tuple[Any, Any, Callable[[], Any], Ca
             cache.layers[i].update(k.repeat(1, 1, reps, 1)[:, :, :n], v.repeat(1, 1, reps, 1)[:, :, :n])
         return cache
 
-    def run(count: int, cache: Any, tok: torch.Tensor) -> torch.Tensor:
+    def run(model: Any, count: int, cache: Any, tok: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
             for _ in range(count):
                 tok = model(tok, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
@@ -606,20 +608,21 @@ def _decode_setup(spec: dict[str, Any]) -> tuple[Any, Any, Callable[[], Any], Ca
 
 
 def _decode_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """Both methods in one process, each on its own cache, ``tokens`` steps at a time, alternating."""
+    """Both methods in one process, ``tokens`` steps at a time, alternating: SDPA on a copy of the model, so that
+    Focus stays attached (detaching drops its key index, and re-routing the whole cache is not a decode cost)."""
+    import copy
+
     model, adapter, fresh_cache, run, first = _decode_setup(spec)
     steps = spec["tokens"]
-    caches = {"sdpa": fresh_cache()}
-    last = {"sdpa": run(2, caches["sdpa"], first)}  # warm-up
-    adapter.attach(model)
-    caches["focus"] = fresh_cache()
-    last["focus"] = run(2, caches["focus"], first)  # warm-up (Focus: routes the whole cache once)
+    models = {"sdpa": copy.deepcopy(model), "focus": adapter.attach(model)}
+    caches = {name: fresh_cache() for name in models}
+    last = {name: run(m, 2, caches[name], first) for name, m in models.items()}  # warm-up (Focus: routes the cache)
 
     def step(name: str) -> None:
-        last[name] = run(steps, caches[name], last[name])
+        last[name] = run(models[name], steps, caches[name], last[name])
 
-    times = _measure({"focus": lambda: step("focus"), "sdpa": lambda: _as_sdpa(model, adapter, lambda: step("sdpa"))},
-                     spec["repeats"], spec["max_seconds"])
+    times = _measure({name: lambda name=name: step(name) for name in ("focus", "sdpa")}, spec["repeats"],
+                     spec["max_seconds"])
     res: dict[str, Any] = {"n": spec["n"], "tokens": steps, "model_dtype": spec["model_dtype"],
                            "adapter": spec.get("adapter") or "k-means"}
     for name, t in times.items():
@@ -659,10 +662,10 @@ def _memory_worker(spec: dict[str, Any]) -> dict[str, Any]:
         if method == "focus":
             adapter.attach(model)
         cache = fresh_cache()
-        last = run(2, cache, first)
+        last = run(model, 2, cache, first)
 
         def call(m: int) -> Any:  # (m unused: every call is the same decode steps on the same cache)
-            return run(spec["tokens"], cache, last)
+            return run(model, spec["tokens"], cache, last)
     call(512)
     _trim()  # give freed heap back, so that the baseline is live memory and every method starts from it
     before = _rss_mb()

@@ -28,6 +28,16 @@ def test_tiny_run_writes_json_markdown_and_plot(tmp_path):
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_decode_section_times_both_methods_in_one_process(tmp_path):
+    res = bench.run_bench(sections=["decode"], decode_lengths=[600], decode_tokens=2, repeats=2, output_dir=tmp_path,
+                          max_seconds=5, log=lambda msg: None)
+    (dec,) = res["decode"]
+    assert dec["n"] == 600 and dec["tokens"] == 2
+    for method in ("focus", "sdpa"):
+        assert dec[method]["rounds"] == 2 and dec[method]["tokens_per_s"] > 0
+    assert "## Decode" in (tmp_path / "bench.md").read_text()
+
+
 def test_a_wrong_kernel_is_refused(monkeypatch, tmp_path):
     """A fast path that forgets the attention sinks would be faster; the bench must not report it."""
     real = attention.focus_attention
