@@ -189,8 +189,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_groups:
             qj, kj, vj, qg, kg = q[i, hs], k[i, j], v[i, j], q_groups[i, hs], k_groups[i, j]
             if not dense:  # drop the padding: positions become indices
                 qj, qg, kj, vj, kg = qj[:, queries], qg[:, queries], kj[keys], vj[keys], kg[keys]
-            # Accumulate in the output itself where its layout allows. A low-precision output is rounded once more
-            # per merge (each merge sums in float32), instead of keeping a float32 copy of a head's whole result.
+            # Accumulate in the output itself where its layout allows: no float32 copy of a head's result. The flash
+            # calls return the input dtype anyway; a merge sums in float32 and rounds once (query top-1: one merge).
             direct = dense and m % LOCAL_CHUNK == 0
             res, lse = local_part(qj, kj, vj, n - m, config, scale, out[i, hs] if direct else None)
             res, lse = res.reshape(rep * m, d), lse.reshape(rep * m)  # contiguous unless Lq is not a chunk multiple
