@@ -576,9 +576,16 @@ class _GrowingLayer:
         return GrowingLayer()
 
 
-def _decode_setup(spec: dict[str, Any]) -> tuple[Any, Any, Callable[[], Any], Callable[..., torch.Tensor], Any]:
-    """Model, adapter (detached), a factory of caches holding ``spec["n"]`` tokens, a decode loop
-    ``run(model, count, cache, token) -> last token``, and the first token to feed."""
+def _decode_steps(model: Any, count: int, cache: Any, tok: torch.Tensor) -> torch.Tensor:
+    """``count`` greedy decode steps from ``tok`` ``[B, 1]`` on ``cache``; returns the last token."""
+    with torch.inference_mode():
+        for _ in range(count):
+            tok = model(tok, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+    return tok
+
+
+def _decode_setup(spec: dict[str, Any]) -> tuple[Any, Any, Callable[[], Any], torch.Tensor]:
+    """Model, adapter (detached), a factory of caches holding ``spec["n"]`` tokens, and the first token to feed."""
     from transformers import DynamicCache
 
     model, tokenizer, adapter = _load(spec)
@@ -588,23 +595,17 @@ def _decode_setup(spec: dict[str, Any]) -> tuple[Any, Any, Callable[[], Any], Ca
     with torch.inference_mode():
         out = model(ids, use_cache=True, logits_to_keep=1)
     kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-    capacity = n + (spec.get("repeats", 1) + 1) * steps + 4
+    capacity = n + (spec.get("repeats", 1) + 1) * steps + 4  # two warm-up steps, then rounds of `steps`
+    reps = -(-n // real)
 
     def fresh_cache() -> Any:  # the real prefill's K/V tiled to n tokens (attention cost does not depend on values)
         cache = DynamicCache(config=model.config)
         cache.layers = [_GrowingLayer.make(capacity) for _ in kv]
         for i, (k, v) in enumerate(kv):
-            reps = -(-n // real)
             cache.layers[i].update(k.repeat(1, 1, reps, 1)[:, :, :n], v.repeat(1, 1, reps, 1)[:, :, :n])
         return cache
 
-    def run(model: Any, count: int, cache: Any, tok: torch.Tensor) -> torch.Tensor:
-        with torch.inference_mode():
-            for _ in range(count):
-                tok = model(tok, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-        return tok
-
-    return model, adapter, fresh_cache, run, out.logits[:, -1].argmax(-1, keepdim=True)
+    return model, adapter, fresh_cache, out.logits[:, -1].argmax(-1, keepdim=True)
 
 
 def _decode_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -612,14 +613,15 @@ def _decode_worker(spec: dict[str, Any]) -> dict[str, Any]:
     Focus stays attached (detaching drops its key index, and re-routing the whole cache is not a decode cost)."""
     import copy
 
-    model, adapter, fresh_cache, run, first = _decode_setup(spec)
+    model, adapter, fresh_cache, first = _decode_setup(spec)
     steps = spec["tokens"]
     models = {"sdpa": copy.deepcopy(model), "focus": adapter.attach(model)}
     caches = {name: fresh_cache() for name in models}
-    last = {name: run(m, 2, caches[name], first) for name, m in models.items()}  # warm-up (Focus: routes the cache)
+    # Warm-up: two steps each (Focus routes the whole cache in the first).
+    last = {name: _decode_steps(m, 2, caches[name], first) for name, m in models.items()}
 
     def step(name: str) -> None:
-        last[name] = run(models[name], steps, caches[name], last[name])
+        last[name] = _decode_steps(models[name], steps, caches[name], last[name])
 
     times = _measure({name: lambda name=name: step(name) for name in ("focus", "sdpa")}, spec["repeats"],
                      spec["max_seconds"])
@@ -658,14 +660,14 @@ def _memory_worker(spec: dict[str, Any]) -> dict[str, Any]:
             with torch.inference_mode():
                 return model(ids[:, :m], use_cache=False, logits_to_keep=1)
     else:  # decode: the timed steps, after two warm-up steps
-        model, adapter, fresh_cache, run, first = _decode_setup(spec)
+        model, adapter, fresh_cache, first = _decode_setup(spec)
         if method == "focus":
             adapter.attach(model)
         cache = fresh_cache()
-        last = run(model, 2, cache, first)
+        last = _decode_steps(model, 2, cache, first)
 
         def call(m: int) -> Any:  # (m unused: every call is the same decode steps on the same cache)
-            return run(model, spec["tokens"], cache, last)
+            return _decode_steps(model, spec["tokens"], cache, last)
     call(512)
     _trim()  # give freed heap back, so that the baseline is live memory and every method starts from it
     before = _rss_mb()
