@@ -11,19 +11,22 @@ as :func:`focus_flex.attention.reference_attention` when no key is padding.
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 from focus_flex import routing
 from focus_flex.config import FocusConfig
 from focus_flex.threads import using
 
-_END = torch.iinfo(torch.int32).max  # fills unused list slots, so every list row stays sorted
+_END = np.iinfo(np.int32).max  # fills unused list slots, so every list row stays sorted
 APPEND_CHUNK = 4096  # keys routed into the lists at a time
 
 
-def _grow(buffer: torch.Tensor, needed: int, fill: int) -> torch.Tensor:
+def _grow(buffer: torch.Tensor | np.ndarray, needed: int, fill: int) -> torch.Tensor | np.ndarray:
     """``buffer`` ``[..., C]`` with room for at least ``needed`` entries on the last dim (new slots = ``fill``).
 
     Grows geometrically (by an eighth, plus a little), so appending one entry at a time costs O(1) amortised.
@@ -31,17 +34,31 @@ def _grow(buffer: torch.Tensor, needed: int, fill: int) -> torch.Tensor:
     capacity = buffer.shape[-1]
     if needed <= capacity:
         return buffer
-    grown = buffer.new_full(buffer.shape[:-1] + (needed + needed // 8 + 64,), fill)
+    shape = tuple(buffer.shape[:-1]) + (needed + needed // 8 + 64,)
+    grown = np.full(shape, fill, buffer.dtype) if isinstance(buffer, np.ndarray) else buffer.new_full(shape, fill)
     grown[..., :capacity] = buffer
     return grown
+
+
+def _scalars(t: torch.Tensor) -> torch.Tensor | np.ndarray:
+    """Where to write single elements of ``t``: on CPU a NumPy view of its memory (~0.1 us a write instead of ~5 us
+    of tensor dispatch), elsewhere ``t`` itself."""
+    return t.numpy() if t.device.type == "cpu" else t
+
+
+def _to(positions: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host positions -> a tensor on ``device`` (on CPU, the same memory)."""
+    return torch.from_numpy(positions).to(device)
 
 
 class KeyIndex:
     """Key routing of a growing KV cache: group bitmasks ``[B, Hkv, L]`` and per-group position lists.
 
-    ``lists[b, h, g, :counts[b][h][g]]`` (int32) are the positions (ascending) of the keys of (b, h) in group g;
-    later slots hold a large sentinel. Positions are cache indices, so the index assumes no padding for the fast path
-    (:func:`indexed_attention`); the bitmasks serve any path.
+    The bitmasks are a tensor on the cache's device and serve any path. The lists live on the host (NumPy, int32):
+    ``lists[b, h, g, :counts[b, h, g]]`` are the positions (ascending) of the keys of (b, h) in group g; later slots
+    hold a large sentinel. A decode step reads and writes them element by element, which costs ~0.1 us in NumPy and
+    ~5 us as a tensor op; on an accelerator each step then copies its gather positions over (a few KB). Positions are
+    cache indices, so the fast path (:func:`indexed_attention`) assumes no padding.
     """
 
     def __init__(self, batch: int, heads: int, num_groups: int, device: torch.device | str):
@@ -49,13 +66,18 @@ class KeyIndex:
         self.length = 0
         member_dtype = torch.int32 if num_groups <= 31 else torch.int64  # bit 31 would be int32's sign
         self._member = torch.zeros(batch, heads, 0, dtype=member_dtype, device=device)
-        self.lists = torch.full((batch, heads, num_groups, 0), _END, dtype=torch.int32, device=device)
-        self.counts = [[[0] * num_groups for _ in range(heads)] for _ in range(batch)]  # [B][Hkv][G] list sizes
+        self.lists = np.full((batch, heads, num_groups, 0), _END, dtype=np.int32)
+        self.counts = np.zeros((batch, heads, num_groups), dtype=np.int64)  # list sizes
 
     @property
     def member(self) -> torch.Tensor:
         """Group bitmasks of the keys so far, ``[B, Hkv, length]`` (int32 up to 31 groups, else int64; a view)."""
         return self._member[:, :, :self.length]
+
+    def far(self, i: int, h: int, g: int, lo: int, hi: int) -> np.ndarray:
+        """The positions in ``[lo, hi)`` of the keys of (batch row i, KV head h) in group g, ascending (a view)."""
+        keys = self.lists[i, h, g, :self.counts[i, h, g]]
+        return keys[keys.searchsorted(lo):keys.searchsorted(hi)]
 
     def extend(self, keys: torch.Tensor, centroids: torch.Tensor, config: FocusConfig) -> None:
         """Route the keys ``[B, Hkv, L, D]`` that follow the current ones and add them.
@@ -63,39 +85,79 @@ class KeyIndex:
         Long extensions (a prefill, a first look at a full cache) go in chunks, so the routing temporaries stay a
         few MB instead of several times the keys' size.
         """
-        for chunk in keys.split(APPEND_CHUNK, dim=2):
+        for chunk in keys.split(APPEND_CHUNK, dim=2) if keys.shape[2] > APPEND_CHUNK else (keys,):
             self.append(routing.hard_groups(chunk, centroids, config.key_top_k))
 
     def append(self, groups: torch.Tensor) -> None:
         """Add the keys that follow the current ones, given their groups ``[B, Hkv, L, k]``."""
         n = groups.shape[2]
         self._member = _grow(self._member, self.length + n, 0)
-        self._member[:, :, self.length:self.length + n] = routing.membership(groups)
         if n == 1:  # a decode step: a few scalar writes (vectorising one key costs more in op overhead)
+            member = _scalars(self._member)
             for i, heads in enumerate(groups[:, :, 0].tolist()):
                 for h, chosen in enumerate(heads):
+                    member[i, h, self.length] = sum(1 << g for g in chosen)
                     for g in chosen:
-                        c = self.counts[i][h][g]
+                        c = self.counts[i, h, g]
                         self.lists = _grow(self.lists, c + 1, _END)
                         self.lists[i, h, g, c] = self.length
-                        self.counts[i][h][g] = c + 1
+                        self.counts[i, h, g] = c + 1
             self.length += 1
             return
-        bits = routing.member_bits(routing.membership(groups), self.num_groups)  # [B, Hkv, L, G]
-        counts = torch.tensor(self.counts, device=groups.device)
-        slot = bits.cumsum(2).add_(counts[:, :, None, :] - 1)  # list slot of each key in each of its groups
-        counts += bits.sum(2)
-        self.lists = _grow(self.lists, int(counts.max()), _END)
-        b, h, i, g = bits.nonzero(as_tuple=True)
-        self.lists[b, h, g, slot[b, h, i, g]] = (self.length + i).to(self.lists.dtype)
-        self.counts = counts.tolist()
+        member = routing.membership(groups)
+        self._member[:, :, self.length:self.length + n] = member
+        bits = routing.member_bits(member, self.num_groups).cpu().numpy()  # [B, Hkv, L, G]
+        slot = bits.cumsum(2) + self.counts[:, :, None, :] - 1  # list slot of each key in each of its groups
+        self.counts = self.counts + bits.sum(2)
+        self.lists = _grow(self.lists, int(self.counts.max()), _END)
+        b, h, i, g = bits.nonzero()
+        self.lists[b, h, g, slot[b, h, i, g]] = self.length + i
         self.length += n
 
 
-def _spans(index: KeyIndex, lo: int, hi: int) -> list[list[list[list[int]]]]:
-    """``[B][Hkv][G]`` -> ``[start, stop)``: the slice of each group's list holding the positions in ``[lo, hi)``."""
-    bounds = torch.tensor([lo, hi], dtype=index.lists.dtype, device=index.lists.device)
-    return torch.searchsorted(index.lists, bounds.expand(*index.lists.shape[:3], 2).contiguous()).tolist()
+def _heads(x: torch.Tensor) -> list[torch.Tensor]:
+    """``[B, H, ...]`` -> the B * H views ``x[i, h]`` in order (views even where x cannot be flattened)."""
+    return [xh for xi in x.unbind(0) for xh in xi.unbind(0)]
+
+
+def _local(lk: int, lq: int, config: FocusConfig) -> tuple[np.ndarray, int]:
+    """Positions of the sinks and of the window of the last ``lq`` of ``lk`` keys, and where far keys end: they lie
+    in ``[sinks, end)``."""
+    s = config.sink_tokens
+    end = max(s, lk - lq - config.window + 1)  # keys from here on are near some query
+    return np.concatenate((np.arange(min(s, lk), dtype=np.int32), np.arange(end, lk, dtype=np.int32))), end
+
+
+def _one_group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
+                         config: FocusConfig, index: KeyIndex, scale: float, threads: int) -> torch.Tensor:
+    """:func:`indexed_attention` for one query with top-1 query routing (a default decode step).
+
+    Each query row's keys are then its sinks and window plus the far part of exactly one group list, with no
+    overlap (a list holds a key once; far keys are not local) and none masked (every local key is causal and near).
+    Per (batch row, KV head), ``[sinks + window, far keys of g]`` is gathered back to back for each group g of its
+    query heads, and each row attends its own contiguous segment: no mask, and no product with another group's keys.
+    The values are never gathered: ``embedding_bag`` sums each row's value rows weighted by its probabilities.
+    """
+    b, hq, _, d = q.shape
+    hkv, rep, dev = k.shape[1], hq // k.shape[1], k.device
+    s, (local, end) = config.sink_tokens, _local(k.shape[2], 1, config)
+    groups = routing.hard_groups(q, centroids, 1).reshape(b * hkv, rep).tolist()  # [B * Hkv][rows]
+    q_rows = (q.reshape(b * hq, d).float() * scale).unbind(0)
+    out = []
+    for j, (kh, vh) in enumerate(zip(_heads(k), _heads(v), strict=True)):  # j = i * hkv + h
+        i, h = divmod(j, hkv)
+        keys = {g: np.concatenate((local, index.far(i, h, g, s, end))) for g in groups[j]}  # per distinct group
+        pos = _to(np.concatenate(tuple(keys.values())), dev)
+        with using(threads):
+            kg = kh.index_select(0, pos).float()
+        segment = dict(zip(keys, kg.split_with_sizes([len(x) for x in keys.values()]), strict=True))
+        p = torch.cat([torch.mv(segment[g], q_rows[j * rep + r]).softmax(0) for r, g in enumerate(groups[j])])
+        bags = pos if len(keys) == rep else _to(np.concatenate([keys[g] for g in groups[j]]), dev)  # row by row
+        sizes = [len(keys[g]) for g in groups[j][:-1]]
+        offsets = _to(np.fromiter(itertools.accumulate(sizes, initial=0), np.int32, len(sizes) + 1), dev)
+        with using(threads):
+            out.append(F.embedding_bag(bags, vh, offsets, mode="sum", per_sample_weights=p.to(vh.dtype)))
+    return torch.stack(out).reshape(b, hq, 1, d).to(q.dtype)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, ok: torch.Tensor,
@@ -107,13 +169,6 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
         kg, vg = k.index_select(0, pos).float(), v.index_select(0, pos).float()
     scores = torch.mm(q, kg.T).masked_fill_(~ok, float("-inf"))
     torch.mm(scores.softmax(-1), vg, out=out)
-
-
-def _far_keys(lists: torch.Tensor, bounds: list[list[int]], union: int) -> tuple[list[int], list]:
-    """The groups in the bitmask ``union`` with far keys, and those keys' positions (``lists``: one (batch row, KV
-    head)'s ``[G, capacity]`` lists)."""
-    groups = [g for g, (lo, hi) in enumerate(bounds) if union >> g & 1 and hi > lo]
-    return groups, [lists[g, bounds[g][0]:bounds[g][1]] for g in groups]
 
 
 def indexed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
@@ -128,16 +183,16 @@ def indexed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroi
     none of it proportional to Lk.
     """
     b, hq, lq, d = q.shape
+    if lq == 1 and config.query_top_k == 1:
+        return _one_group_attention(q, k, v, centroids, config, index, scale, threads)
     hkv, lk = k.shape[1], k.shape[2]
     rows = hq // hkv * lq  # query rows per KV head, ordered (head in group, query)
     s, w, dev = config.sink_tokens, config.window, k.device
     q_member = routing.hard_membership(q, centroids, config.query_top_k).reshape(b, hkv, rows)
-    near_lo = max(s, lk - lq - w + 1)  # keys from here on are near some query; far keys lie in [s, near_lo)
-    local = torch.cat([torch.arange(min(s, lk), device=dev), torch.arange(near_lo, lk, device=dev)]).int()
-    if lq > 1:  # (one query: every local candidate is near it or a sink, and causal)
-        q_pos = torch.arange(lk - lq, lk, device=dev).repeat(rows // lq)[:, None]  # [rows, 1]
-        causal, near = local <= q_pos, (q_pos - local < w) | (local < s)  # [rows, local keys]
-    bounds = _spans(index, s, near_lo)
+    local_np, end = _local(lk, lq, config)
+    local = _to(local_np, dev)
+    q_pos = torch.arange(lk - lq, lk, device=dev).repeat(rows // lq)[:, None]  # [rows, 1]
+    causal, near = local <= q_pos, (q_pos - local < w) | (local < s)  # [rows, local keys]
     unions = [[functools.reduce(operator.or_, m) for m in heads] for heads in q_member.tolist()]  # [B][Hkv]
     qr = q.reshape(b, hkv, rows, d).float() * scale
     out = qr.new_empty(b, hkv, rows, d)
@@ -145,16 +200,14 @@ def indexed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroi
     q_member = q_member[..., None]  # [B, Hkv, rows, 1]
     for i in range(b):
         for h in range(hkv):
-            groups, far = _far_keys(index.lists[i, h], bounds[i][h], unions[i][h])
-            pos = torch.cat([local, *far])
+            groups = [g for g in range(index.num_groups) if unions[i][h] >> g & 1]
+            far = [index.far(i, h, g, s, end) for g in groups]
+            pos = _to(np.concatenate([local_np, *far]), dev)
             k_member = index.member[i, h].index_select(0, pos)
             ok = (k_member & q_member[i, h]) != 0  # same group: all a far key needs
-            if lq > 1:
-                ok[:, :nl] = (ok[:, :nl] | near) & causal
-            else:
-                ok[:, :nl] = True
+            ok[:, :nl] = (ok[:, :nl] | near) & causal
             if config.key_top_k > 1 and len(groups) > 1:  # a far key in several listed groups: keep its lowest
-                seg = torch.tensor(groups, device=dev).repeat_interleave(torch.tensor([len(x) for x in far]).to(dev))
+                seg = _to(np.repeat(np.array(groups), [len(x) for x in far]), dev)
                 shared = k_member[nl:] & unions[i][h]
                 ok[:, nl:] &= (shared & -shared) == (1 << seg)
             _attend(qr[i, h], k[i, h], v[i, h], pos, ok, out[i, h], threads)
