@@ -115,11 +115,6 @@ class KeyIndex:
         self.length += n
 
 
-def _heads(x: torch.Tensor) -> list[torch.Tensor]:
-    """``[B, H, ...]`` -> the B * H views ``x[i, h]`` in order (views even where x cannot be flattened)."""
-    return [xh for xi in x.unbind(0) for xh in xi.unbind(0)]
-
-
 def _local(lk: int, lq: int, config: FocusConfig) -> tuple[np.ndarray, int]:
     """Positions of the sinks and of the window of the last ``lq`` of ``lk`` keys, and where far keys end: they lie
     in ``[sinks, end)``."""
@@ -128,36 +123,48 @@ def _local(lk: int, lq: int, config: FocusConfig) -> tuple[np.ndarray, int]:
     return np.concatenate((np.arange(min(s, lk), dtype=np.int32), np.arange(end, lk, dtype=np.int32))), end
 
 
+def _flat_rows(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """``[B, H, L, D]`` as one ``[rows, D]`` view of its memory, and the row of each ``x[i, h, 0]`` (in (i, h) order),
+    so that one gather serves every (batch row, head). A KV cache is such a view already (its rows are D apart);
+    anything else is copied first."""
+    b, h, _, d = x.shape
+    if x.stride(-1) != 1 or x.stride(-2) != d or x.stride(0) % d or x.stride(1) % d:
+        x = x.contiguous()
+    starts = [i * x.stride(0) // d + j * x.stride(1) // d for i in range(b) for j in range(h)]
+    return x.as_strided((max(starts) + x.shape[2], d), (d, 1)), starts
+
+
 def _one_group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
                          config: FocusConfig, index: KeyIndex, scale: float, threads: int) -> torch.Tensor:
     """:func:`indexed_attention` for one query with top-1 query routing (a default decode step).
 
     Each query row's keys are then its sinks and window plus the far part of exactly one group list, with no
     overlap (a list holds a key once; far keys are not local) and none masked (every local key is causal and near).
-    Per (batch row, KV head), ``[sinks + window, far keys of g]`` is gathered back to back for each group g of its
-    query heads, and each row attends its own contiguous segment: no mask, and no product with another group's keys.
-    The values are never gathered: ``embedding_bag`` sums each row's value rows weighted by its probabilities.
+    So ``[sinks + window, far keys of g]`` is gathered once per (batch row, KV head, group g of its query heads), all
+    in one gather, and each row attends its own segment: no mask, and no product with another group's keys. The
+    values are never gathered: one ``embedding_bag`` sums each row's value rows weighted by its probabilities.
     """
     b, hq, _, d = q.shape
-    hkv, rep, dev = k.shape[1], hq // k.shape[1], k.device
+    hkv, rep = k.shape[1], hq // k.shape[1]
     s, (local, end) = config.sink_tokens, _local(k.shape[2], 1, config)
     groups = routing.hard_groups(q, centroids, 1).reshape(b * hkv, rep).tolist()  # [B * Hkv][rows]
+    keys = [{g: np.concatenate((local, index.far(*divmod(j, hkv), g, s, end))) for g in gs}  # per distinct group
+            for j, gs in enumerate(groups)]
+    (kf, k_at), (vf, v_at) = _flat_rows(k), _flat_rows(v)
+    pos = _to(np.concatenate([x + k_at[j] for j, kj in enumerate(keys) for x in kj.values()], dtype=np.int64), k.device)
+    with using(threads):
+        kg = kf.index_select(0, pos).float()
+    segments = iter(kg.split_with_sizes([len(x) for kj in keys for x in kj.values()]))
+    segment = [{g: next(segments) for g in kj} for kj in keys]
     q_rows = (q.reshape(b * hq, d).float() * scale).unbind(0)
-    out = []
-    for j, (kh, vh) in enumerate(zip(_heads(k), _heads(v), strict=True)):  # j = i * hkv + h
-        i, h = divmod(j, hkv)
-        keys = {g: np.concatenate((local, index.far(i, h, g, s, end))) for g in groups[j]}  # per distinct group
-        pos = _to(np.concatenate(tuple(keys.values())), dev)
-        with using(threads):
-            kg = kh.index_select(0, pos).float()
-        segment = dict(zip(keys, kg.split_with_sizes([len(x) for x in keys.values()]), strict=True))
-        p = torch.cat([torch.mv(segment[g], q_rows[j * rep + r]).softmax(0) for r, g in enumerate(groups[j])])
-        bags = pos if len(keys) == rep else _to(np.concatenate([keys[g] for g in groups[j]]), dev)  # row by row
-        sizes = [len(keys[g]) for g in groups[j][:-1]]
-        offsets = _to(np.fromiter(itertools.accumulate(sizes, initial=0), np.int32, len(sizes) + 1), dev)
-        with using(threads):
-            out.append(F.embedding_bag(bags, vh, offsets, mode="sum", per_sample_weights=p.to(vh.dtype)))
-    return torch.stack(out).reshape(b, hq, 1, d).to(q.dtype)
+    p = torch.cat([torch.mv(segment[j][g], q_rows[j * rep + r]).softmax(0)
+                   for j, gs in enumerate(groups) for r, g in enumerate(gs)])
+    bags = [keys[j][g] + v_at[j] for j, gs in enumerate(groups) for g in gs]  # row by row
+    offsets = np.fromiter(itertools.accumulate((len(x) for x in bags[:-1]), initial=0), np.int64, len(bags))
+    bags = _to(np.concatenate(bags, dtype=np.int64), v.device)
+    with using(threads):
+        out = F.embedding_bag(bags, vf, _to(offsets, v.device), mode="sum", per_sample_weights=p.to(v.dtype))
+    return out.reshape(b, hq, 1, d).to(q.dtype)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, ok: torch.Tensor,
