@@ -24,9 +24,9 @@ several groups would be counted more than once, so top-k > 1 for both queries an
 
 from __future__ import annotations
 
-import bisect
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from focus_flex.config import FocusConfig
@@ -126,10 +126,10 @@ def far_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FarPlan, s
     """
     d = q.shape[-1]
     qf = q.reshape(-1, d)
-    lo, hi = plan.lo.tolist(), plan.hi.tolist()
+    lo, hi = plan.lo.numpy(), plan.hi.numpy()  # views: scalar reads without a Python int per copy
     # Copies are sorted by position within a group, so hi grows: the ones with far keys are a suffix [a, b).
     ends = [(a0, b) for a0, b in zip(plan.bounds[:-1], plan.bounds[1:], strict=True) if a0 < b]
-    suffixes = [(a, b) for a, b in ((bisect.bisect_right(hi, lo[a0], a0, b), b) for a0, b in ends) if a < b]
+    suffixes = [(a, b) for a, b in ((_after(hi, lo[a0], a0, b), b) for a0, b in ends) if a < b]
     # A tail mask is a staircase (row i sees the first n_i keys): rows of one template, picked by n_i.
     width = max((hi[min(r0 + FAR_CHUNK, b) - 1] - hi[r0] for a, b in suffixes for r0 in range(a, b, FAR_CHUNK)),
                 default=0)
@@ -146,13 +146,18 @@ def far_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FarPlan, s
             k0, k1, k2 = lo[r0] - k_lo, hi[r0] - k_lo, hi[r1 - 1] - k_lo
             sl = (slice(None), slice(None), slice(r0 - a, r1 - a))
             po[0][sl], pl[0][sl] = _flash(qs[sl], ks[..., k0:k1, :], vs[..., k0:k1, :], 0.0, False, scale=scale)[:2]
-            rt = bisect.bisect_right(hi, hi[r0], r0, r1)  # rows [rt, r1) also see some of the keys [k1, k2)
+            rt = _after(hi, hi[r0], r0, r1)  # rows [rt, r1) also see some of the keys [k1, k2)
             if rt < r1:
                 sl = (slice(None), slice(None), slice(rt - a, r1 - a))
                 mask = stairs[:, :k2 - k1].index_select(0, plan.hi[rt:r1] - (k_lo + k1))
                 po[1][sl], pl[1][sl] = _flash(qs[sl], ks[..., k1:k2, :], vs[..., k1:k2, :], 0.0, False,
                                               attn_mask=mask, scale=scale)[:2]
         _merge_into(out, lse, rows, po.view(2, -1, d), pl.view(2, -1))
+
+
+def _after(sorted_: np.ndarray, x: int, a: int, b: int) -> int:
+    """The first index in ``[a, b)`` whose value exceeds ``x`` (``sorted_[a:b]`` ascending; b if none)."""
+    return a + int(sorted_[a:b].searchsorted(x, side="right"))
 
 
 def _merge_into(out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, parts: torch.Tensor,
