@@ -204,8 +204,24 @@ def test_decode_gathers_on_outer_threads_and_restores_them(monkeypatch):
     assert {n for data, n in seen if not data} == {1}
 
 
-def test_indexed_decode_bf16_and_padding_fallback():
-    cfg = FocusConfig(num_groups=4, query_top_k=2, window=8, sink_tokens=2)
+def test_indexed_decode_reads_any_cache_layout():
+    """One-query steps read k/v through one flat view of their rows: a cache sliced from a larger buffer (gaps between
+    heads, the decode loop's layout), or a [B, L, H, D] buffer seen as [B, H, L, D] (rows not D apart: copied)."""
+    cfg = FocusConfig(num_groups=4, window=8, sink_tokens=2)
+    steps = 0
+    for c, q, k, v, index in decode_steps(2, 6, 3, cfg, n=100):
+        ref = reference_attention(q, k, v, c, cfg)
+        kt, vt = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
+        assert kt.stride(2) != kt.shape[3]
+        for kk, vv in ((k, v), (kt, vt), (k, vt)):
+            assert max_diff(focus_attention(q, kk, vv, c, cfg, key_index=index), ref) <= 1e-4
+        steps += q.shape[2] == 1 and k.stride(1) > k.shape[2] * k.shape[3]  # one query, gaps between heads
+    assert steps > 5
+
+
+@pytest.mark.parametrize("query_top_k", [1, 2])
+def test_indexed_decode_bf16_and_padding_fallback(query_top_k):
+    cfg = FocusConfig(num_groups=4, query_top_k=query_top_k, window=8, sink_tokens=2)
     for c, q, k, v, index in decode_steps(2, 4, 2, cfg, dtype=torch.bfloat16, n=80):
         ref = reference_attention(q.float(), k.float(), v.float(), c, cfg)
         assert max_diff(focus_attention(q, k, v, c, cfg, key_index=index), ref) <= 2e-2
