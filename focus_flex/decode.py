@@ -187,7 +187,8 @@ def indexed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroi
     any of its query rows (GQA heads x queries; slices of the group lists, a key in several of them counted once).
     They are gathered once for all these rows, and each row masks the rest with the Focus rule; the softmax runs in
     float32; the gathers use ``threads`` intra-op threads. Returns ``[B, Hq, Lq, D]``. O(rows x candidates) work,
-    none of it proportional to Lk.
+    none of it proportional to Lk. One query with top-1 query routing (the default decode step) needs no mask: see
+    :func:`_one_group_attention`.
     """
     b, hq, lq, d = q.shape
     if lq == 1 and config.query_top_k == 1:
