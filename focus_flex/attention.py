@@ -547,19 +547,20 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
     valid = check_inputs(q, k, v, centroids, config, attention_mask)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     b, hq, lq, d = q.shape
-    if key_index is not None and key_index.member.shape != k.shape[:3]:
-        raise ValueError(f"key_index routes keys [B, Hkv, Lk] = {tuple(key_index.member.shape)}, but k is "
+    if key_index is not None and key_index.shape != k.shape[:3]:
+        raise ValueError(f"key_index routes keys [B, Hkv, Lk] = {key_index.shape}, but k is "
                          f"{tuple(k.shape[:3])}")
     if kernel not in (None, "flex", "flash"):
         raise ValueError(f"kernel={kernel!r}: use 'flex', 'flash' or None (automatic)")
     if kernel == "flash" and not flash.supported(q.device, config):
         raise ValueError(f"kernel='flash' needs CPU tensors (got {q.device.type}) and top-k 1 for queries or keys "
                          f"(got {config.query_top_k} and {config.key_top_k}); use kernel='flex'")
+    if lq <= DECODE_MAX_QUERIES and key_index is not None and (attention_mask is None or bool(valid.all())):
+        with small_work(q.device):
+            return indexed_attention(q, k, v, centroids, config, key_index, scale, outer())
     k_member = None if key_index is None else key_index.member
     if lq <= DECODE_MAX_QUERIES:
         with small_work(q.device):
-            if key_index is not None and (attention_mask is None or bool(valid.all())):
-                return indexed_attention(q, k, v, centroids, config, key_index, scale, outer())
             return _few_queries_attention(q, k, v, centroids, config, valid, k_member, scale)
 
     # Key routing a KV cache already did; else each kernel routes the keys itself.

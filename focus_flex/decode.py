@@ -26,7 +26,7 @@ _END = np.iinfo(np.int32).max  # fills unused list slots, so every list row stay
 APPEND_CHUNK = 4096  # keys routed into the lists at a time
 
 
-def _grow(buffer: torch.Tensor | np.ndarray, needed: int, fill: int) -> torch.Tensor | np.ndarray:
+def _grow(buffer: np.ndarray, needed: int, fill: int) -> np.ndarray:
     """``buffer`` ``[..., C]`` with room for at least ``needed`` entries on the last dim (new slots = ``fill``).
 
     Grows geometrically (by an eighth, plus a little), so appending one entry at a time costs O(1) amortised.
@@ -34,16 +34,9 @@ def _grow(buffer: torch.Tensor | np.ndarray, needed: int, fill: int) -> torch.Te
     capacity = buffer.shape[-1]
     if needed <= capacity:
         return buffer
-    shape = tuple(buffer.shape[:-1]) + (needed + needed // 8 + 64,)
-    grown = np.full(shape, fill, buffer.dtype) if isinstance(buffer, np.ndarray) else buffer.new_full(shape, fill)
+    grown = np.full(buffer.shape[:-1] + (needed + needed // 8 + 64,), fill, buffer.dtype)
     grown[..., :capacity] = buffer
     return grown
-
-
-def _scalars(t: torch.Tensor) -> torch.Tensor | np.ndarray:
-    """Where to write single elements of ``t``: on CPU a NumPy view of its memory (~0.1 us a write instead of ~5 us
-    of tensor dispatch), elsewhere ``t`` itself."""
-    return t.numpy() if t.device.type == "cpu" else t
 
 
 def _to(positions: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -54,25 +47,30 @@ def _to(positions: np.ndarray, device: torch.device) -> torch.Tensor:
 class KeyIndex:
     """Key routing of a growing KV cache: group bitmasks ``[B, Hkv, L]`` and per-group position lists.
 
-    The bitmasks are a tensor on the cache's device and serve any path. The lists live on the host (NumPy, int32):
-    ``lists[b, h, g, :counts[b, h, g]]`` are the positions (ascending) of the keys of (b, h) in group g; later slots
-    hold a large sentinel. A decode step reads and writes them element by element, which costs ~0.1 us in NumPy and
-    ~5 us as a tensor op; on an accelerator each step then copies its gather positions over (a few KB). Positions are
-    cache indices, so the fast path (:func:`indexed_attention`) assumes no padding.
+    It lives on the host, in NumPy arrays: a decode step reads and writes it element by element, which costs ~0.1 us
+    in NumPy and ~5 us as a tensor op; on an accelerator a step copies over only its gather positions (a few KB).
+    ``lists[b, h, g, :counts[b, h, g]]`` (int32) are the positions (ascending) of the keys of (b, h) in group g;
+    later slots hold a large sentinel. Positions are cache indices, so the fast path (:func:`indexed_attention`)
+    assumes no padding; the bitmasks (:attr:`member`) serve any path.
     """
 
     def __init__(self, batch: int, heads: int, num_groups: int, device: torch.device | str):
-        self.num_groups = num_groups
+        self.num_groups, self.device = num_groups, torch.device(device)
         self.length = 0
-        member_dtype = torch.int32 if num_groups <= 31 else torch.int64  # bit 31 would be int32's sign
-        self._member = torch.zeros(batch, heads, 0, dtype=member_dtype, device=device)
+        self._member = np.zeros((batch, heads, 0), np.int32 if num_groups <= 31 else np.int64)  # bit 31: the sign
         self.lists = np.full((batch, heads, num_groups, 0), _END, dtype=np.int32)
         self.counts = np.zeros((batch, heads, num_groups), dtype=np.int64)  # list sizes
 
     @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(B, Hkv, length)``: the keys routed so far."""
+        return self._member.shape[:2] + (self.length,)
+
+    @property
     def member(self) -> torch.Tensor:
-        """Group bitmasks of the keys so far, ``[B, Hkv, length]`` (int32 up to 31 groups, else int64; a view)."""
-        return self._member[:, :, :self.length]
+        """Group bitmasks of the keys so far, ``[B, Hkv, length]`` on the cache's device (int32 up to 31 groups,
+        else int64; on CPU a view of the index's memory)."""
+        return _to(self._member[:, :, :self.length], self.device)
 
     def far(self, i: int, h: int, g: int, lo: int, hi: int) -> np.ndarray:
         """The positions in ``[lo, hi)`` of the keys of (batch row i, KV head h) in group g, ascending (a view)."""
@@ -93,10 +91,9 @@ class KeyIndex:
         n = groups.shape[2]
         self._member = _grow(self._member, self.length + n, 0)
         if n == 1:  # a decode step: a few scalar writes (vectorising one key costs more in op overhead)
-            member = _scalars(self._member)
             for i, heads in enumerate(groups[:, :, 0].tolist()):
                 for h, chosen in enumerate(heads):
-                    member[i, h, self.length] = sum(1 << g for g in chosen)
+                    self._member[i, h, self.length] = sum(1 << g for g in chosen)
                     for g in chosen:
                         c = self.counts[i, h, g]
                         self.lists = _grow(self.lists, c + 1, _END)
@@ -105,7 +102,7 @@ class KeyIndex:
             self.length += 1
             return
         member = routing.membership(groups)
-        self._member[:, :, self.length:self.length + n] = member
+        self._member[:, :, self.length:self.length + n] = member.cpu().numpy()
         bits = routing.member_bits(member, self.num_groups).cpu().numpy()  # [B, Hkv, L, G]
         slot = bits.cumsum(2) + self.counts[:, :, None, :] - 1  # list slot of each key in each of its groups
         self.counts = self.counts + bits.sum(2)
@@ -205,13 +202,13 @@ def indexed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroi
     qr = q.reshape(b, hkv, rows, d).float() * scale
     out = qr.new_empty(b, hkv, rows, d)
     nl = local.shape[0]
-    q_member = q_member[..., None]  # [B, Hkv, rows, 1]
+    q_member, member = q_member[..., None], index.member  # [B, Hkv, rows, 1], [B, Hkv, Lk]
     for i in range(b):
         for h in range(hkv):
             groups = [g for g in range(index.num_groups) if unions[i][h] >> g & 1]
             far = [index.far(i, h, g, s, end) for g in groups]
             pos = _to(np.concatenate([local_np, *far]), dev)
-            k_member = index.member[i, h].index_select(0, pos)
+            k_member = member[i, h].index_select(0, pos)
             ok = (k_member & q_member[i, h]) != 0  # same group: all a far key needs
             ok[:, :nl] = (ok[:, :nl] | near) & causal
             if config.key_top_k > 1 and len(groups) > 1:  # a far key in several listed groups: keep its lowest
