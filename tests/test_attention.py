@@ -136,6 +136,8 @@ DECODE_CASES = [
     (2, 4, 1, 2, 2, 500, 1, 4),  # window larger than the cache, MQA
     (1, 4, 4, 1, 1, 1, 0, 16),  # window 1: a query sees itself and its group only
     (2, 6, 3, 1, 2, 8, 2, 4),  # top-1 queries, top-2 keys: a key in two lists, each row reads one
+    (1, 4, 2, 1, 1, 500, 2, 4),  # top-1, window larger than the cache: no far keys at all
+    (1, 2, 1, 1, 1, 8, 2, 40),  # 40 groups: 64-bit group masks
 ]
 
 
