@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+import warnings
 
 import numpy as np
 import torch
@@ -131,36 +132,58 @@ def _flat_rows(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     return x.as_strided((max(starts) + x.shape[2], d), (d, 1)), starts
 
 
+@functools.cache
+def _quiet_csr() -> None:
+    """Take, silenced, the warning PyTorch gives once per process that sparse CSR tensors are in beta (their one use
+    here, a sampling pattern for ``sampled_addmm``, has been stable since PyTorch 1.13)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
+        torch.sparse_csr_tensor(torch.zeros(1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), torch.zeros(0),
+                                size=(0, 0), check_invariants=False)
+
+
+def _sampled_scores(q_rows: torch.Tensor, keys: torch.Tensor, rows: np.ndarray, cols: np.ndarray) -> torch.Tensor:
+    """``<q_rows[r], keys[c]>`` for the pairs of a CSR pattern (row r owns ``cols[rows[r]:rows[r + 1]]``), flat
+    ``[pairs]``: one ``sampled_addmm``, which reads each key row once and writes no copy of it."""
+    _quiet_csr()
+    dev = q_rows.device
+    pattern = torch.sparse_csr_tensor(_to(rows, dev), _to(cols, dev), q_rows.new_zeros(len(cols)),
+                                      size=(q_rows.shape[0], keys.shape[0]), check_invariants=False)
+    return torch.sparse.sampled_addmm(pattern, q_rows, keys.T, beta=0.0).values()
+
+
 def _one_group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
                          config: FocusConfig, index: KeyIndex, scale: float, threads: int) -> torch.Tensor:
     """:func:`indexed_attention` for one query with top-1 query routing (a default decode step).
 
     Each query row's keys are then its sinks and window plus the far part of exactly one group list, with no
     overlap (a list holds a key once; far keys are not local) and none masked (every local key is causal and near).
-    So ``[sinks + window, far keys of g]`` is gathered once per (batch row, KV head, group g of its query heads), all
-    in one gather, and each row attends its own segment: no mask, and no product with another group's keys. The
-    values are never gathered: one ``embedding_bag`` sums each row's value rows weighted by its probabilities.
+    So the scores of all rows of a layer are one sampled matmul over a flat view of the cache's key rows, the
+    softmax is taken per row segment, and one ``embedding_bag`` sums each row's value rows weighted by its
+    probabilities: keys and values are read in place, never gathered into copies (keys in other dtypes than
+    float32 are gathered and converted once).
     """
     b, hq, _, d = q.shape
-    hkv, rep = k.shape[1], hq // k.shape[1]
+    hkv, rep, dev = k.shape[1], hq // k.shape[1], q.device
     s, (local, end) = config.sink_tokens, _local(k.shape[2], 1, config)
     groups = routing.hard_groups(q, centroids, 1).reshape(b * hkv, rep).tolist()  # [B * Hkv][rows]
-    keys = [{g: np.concatenate((local, index.far(*divmod(j, hkv), g, s, end))) for g in gs}  # per distinct group
-            for j, gs in enumerate(groups)]
+    far = {(j, g): index.far(*divmod(j, hkv), g, s, end) for j, gs in enumerate(groups) for g in gs}
+    keys = [(j, np.concatenate((local, far[j, g]))) for j, gs in enumerate(groups) for g in gs]  # row by row
+    sizes = [len(x) for _, x in keys]
+    rows = np.fromiter(itertools.accumulate(sizes, initial=0), np.int64, len(sizes) + 1)  # CSR row starts
     (kf, k_at), (vf, v_at) = _flat_rows(k), _flat_rows(v)
-    pos = _to(np.concatenate([x + k_at[j] for j, kj in enumerate(keys) for x in kj.values()], dtype=np.int64), k.device)
+    k_pos = np.concatenate([x + k_at[j] for j, x in keys], dtype=np.int64)
+    q_rows = q.reshape(b * hq, d).float() * scale
     with using(threads):
-        kg = kf.index_select(0, pos).float()
-    segments = iter(kg.split_with_sizes([len(x) for kj in keys for x in kj.values()]))
-    segment = [{g: next(segments) for g in kj} for kj in keys]
-    q_rows = (q.reshape(b * hq, d).float() * scale).unbind(0)
-    p = torch.cat([torch.mv(segment[j][g], q_rows[j * rep + r]).softmax(0)
-                   for j, gs in enumerate(groups) for r, g in enumerate(gs)])
-    bags = [keys[j][g] + v_at[j] for j, gs in enumerate(groups) for g in gs]  # row by row
-    offsets = np.fromiter(itertools.accumulate((len(x) for x in bags[:-1]), initial=0), np.int64, len(bags))
-    bags = _to(np.concatenate(bags, dtype=np.int64), v.device)
+        if kf.dtype == torch.float32:
+            scores = _sampled_scores(q_rows, kf, rows, k_pos)
+        else:  # (sampled_addmm computes in the keys' dtype: gather them in float32 first)
+            scores = _sampled_scores(q_rows, kf.index_select(0, _to(k_pos, dev)).float(), rows,
+                                     np.arange(len(k_pos)))
+    p = torch.cat([x.softmax(0) for x in scores.split_with_sizes(sizes)])
+    v_pos = k_pos if k_at == v_at else np.concatenate([x + v_at[j] for j, x in keys], dtype=np.int64)
     with using(threads):
-        out = F.embedding_bag(bags, vf, _to(offsets, v.device), mode="sum", per_sample_weights=p.to(v.dtype))
+        out = F.embedding_bag(_to(v_pos, dev), vf, _to(rows[:-1], dev), mode="sum", per_sample_weights=p.to(v.dtype))
     return out.reshape(b, hq, 1, d).to(q.dtype)
 
 
