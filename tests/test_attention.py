@@ -1,6 +1,8 @@
 """The fast path and the soft path against the one definition of Focus (`reference_attention`)."""
 
 import functools
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -207,6 +209,27 @@ def test_decode_reads_on_outer_threads_and_restores_them(monkeypatch):
     assert {n for _, data, n in seen if data} == {2}
     assert {n for _, data, n in seen if not data} == {1}
     assert len([n for _, data, n in seen if data]) >= 2 * steps
+
+
+def test_decode_step_warns_nothing():
+    """A fresh process, warnings as errors: the first one-query decode step (a sparse sampling pattern, which PyTorch
+    calls beta once per process) shows the user no warning."""
+    code = """if True:
+        import warnings
+        import torch
+        from focus_flex import FocusConfig
+        from focus_flex.attention import focus_attention
+        from focus_flex.decode import KeyIndex
+        cfg = FocusConfig(num_groups=4, window=8, sink_tokens=2)
+        q, c = torch.randn(1, 4, 1, 16), torch.randn(2, 4, 16)
+        k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+        index = KeyIndex(1, 2, 4, "cpu")
+        warnings.simplefilter("error")
+        index.extend(k, c, cfg)
+        print(focus_attention(q, k, v, c, cfg, key_index=index).shape)
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "torch.Size([1, 4, 1, 16])", done.stderr[-2000:]
 
 
 def test_indexed_decode_reads_any_cache_layout():
