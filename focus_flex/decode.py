@@ -123,8 +123,8 @@ def _local(lk: int, lq: int, config: FocusConfig) -> tuple[np.ndarray, int]:
 
 def _flat_rows(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     """``[B, H, L, D]`` as one ``[rows, D]`` view of its memory, and the row of each ``x[i, h, 0]`` (in (i, h) order),
-    so that one gather serves every (batch row, head). A KV cache is such a view already (its rows are D apart);
-    anything else is copied first."""
+    so that one op reads the rows of every (batch row, head). A KV cache is such a view already (its rows are D
+    apart); anything else is copied first."""
     b, h, _, d = x.shape
     if x.stride(-1) != 1 or x.stride(-2) != d or x.stride(0) % d or x.stride(1) % d:
         x = x.contiguous()
