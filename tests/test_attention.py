@@ -178,8 +178,8 @@ def test_indexed_decode_matches_reference_over_many_steps(case, monkeypatch):
         for i in range(b):
             for h in range(hkv):
                 keys = ((member[i, h] >> g_) & 1).nonzero()[:, 0]
-                assert (index.lists[i, h, g_, :index.counts[i, h, g_]] == keys.numpy()).all()
                 assert index.counts[i, h, g_] == len(keys)
+                assert (index.lists[i, h, g_, :len(keys)] == keys.numpy()).all()
 
 
 def test_decode_reads_on_outer_threads_and_restores_them(monkeypatch):
