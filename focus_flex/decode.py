@@ -172,7 +172,11 @@ def _one_group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cent
     sizes = [len(x) for _, x in keys]
     rows = np.fromiter(itertools.accumulate(sizes, initial=0), np.int64, len(sizes) + 1)  # CSR row starts
     (kf, k_at), (vf, v_at) = _flat_rows(k), _flat_rows(v)
-    k_pos = np.concatenate([x + k_at[j] for j, x in keys], dtype=np.int64)
+
+    def flat(starts: list[int]) -> np.ndarray:  # every row's keys as rows of a flat view
+        return np.concatenate([x + starts[j] for j, x in keys], dtype=np.int64)
+
+    k_pos = flat(k_at)
     q_rows = q.reshape(b * hq, d).float() * scale
     with using(threads):
         if kf.dtype == torch.float32:
@@ -181,7 +185,7 @@ def _one_group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cent
             scores = _sampled_scores(q_rows, kf.index_select(0, _to(k_pos, dev)).float(), rows,
                                      np.arange(len(k_pos)))
     p = torch.cat([x.softmax(0) for x in scores.split_with_sizes(sizes)])
-    v_pos = k_pos if k_at == v_at else np.concatenate([x + v_at[j] for j, x in keys], dtype=np.int64)
+    v_pos = k_pos if k_at == v_at else flat(v_at)
     with using(threads):
         out = F.embedding_bag(_to(v_pos, dev), vf, _to(rows[:-1], dev), mode="sum", per_sample_weights=p.to(v.dtype))
     return out.reshape(b, hq, 1, d).to(q.dtype)
