@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from focus_flex import routing
+from focus_flex import native, routing
 from focus_flex.config import FocusConfig
 from focus_flex.threads import using
 
@@ -166,7 +166,12 @@ def _one_group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cent
     b, hq, _, d = q.shape
     hkv, rep, dev = k.shape[1], hq // k.shape[1], q.device
     s, (local, end) = config.sink_tokens, _local(k.shape[2], 1, config)
-    groups = routing.hard_groups(q, centroids, 1).reshape(b * hkv, rep).tolist()  # [B * Hkv][rows]
+    groups = routing.hard_groups(q, centroids, 1)
+    if native.applies(k, v) and native.library() is not None:  # the same step, fused in C
+        rows = q.reshape(b * hq, d).float().contiguous()
+        out = native.decode_step(rows, groups.reshape(-1), scale, k, v, index.lists, index.counts, s, end, threads)
+        return out.reshape(b, hq, 1, d).to(q.dtype)
+    groups = groups.reshape(b * hkv, rep).tolist()  # [B * Hkv][rows]
     far = {(j, g): index.far(*divmod(j, hkv), g, s, end) for j, gs in enumerate(groups) for g in gs}
     keys = [(j, np.concatenate((local, far[j, g]))) for j, gs in enumerate(groups) for g in gs]  # row by row
     sizes = [len(x) for _, x in keys]

@@ -31,3 +31,16 @@ def hub_server(tmp_path, monkeypatch):
     finally:
         server.stop()
     assert not server.unhandled, f"requests the test hub does not implement: {server.unhandled}"
+
+
+@pytest.fixture(params=["native", "torch"])
+def decode_path(request, monkeypatch):
+    """Run a test on each implementation of the one-query decode step: the C step (which must build here) and the
+    PyTorch ops that replace it where it cannot run (no compiler, GPU tensors, float16)."""
+    from focus_flex import native
+
+    if request.param == "native":
+        assert native.library() is not None, "the C decode step did not build"
+    else:
+        monkeypatch.setattr(native, "library", lambda: None)
+    return request.param
