@@ -158,18 +158,19 @@ def _one_group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cent
 
     Each query row's keys are then its sinks and window plus the far part of exactly one group list, with no
     overlap (a list holds a key once; far keys are not local) and none masked (every local key is causal and near).
-    So the scores of all rows of a layer are one sampled matmul over a flat view of the cache's key rows, the
-    softmax is taken per row segment, and one ``embedding_bag`` sums each row's value rows weighted by its
-    probabilities: keys and values are read in place, never gathered into copies (keys in other dtypes than
-    float32 are gathered and converted once).
+    On CPU with float32 or bfloat16 caches, that is one call of the C step (:mod:`focus_flex.native`). Otherwise
+    the scores of all rows of a layer are one sampled matmul over a flat view of the cache's key rows, the softmax
+    is taken per row segment, and one ``embedding_bag`` sums each row's value rows weighted by its probabilities.
+    Either way keys and values are read in place, never gathered into copies (except keys in other dtypes than
+    float32 on the PyTorch path: gathered and converted once).
     """
     b, hq, _, d = q.shape
     hkv, rep, dev = k.shape[1], hq // k.shape[1], q.device
     s, (local, end) = config.sink_tokens, _local(k.shape[2], 1, config)
     groups = routing.hard_groups(q, centroids, 1)
     if native.applies(k, v) and native.library() is not None:  # the same step, fused in C
-        rows = q.reshape(b * hq, d).float().contiguous()
-        out = native.decode_step(rows, groups.reshape(-1), scale, k, v, index.lists, index.counts, s, end, threads)
+        out = native.decode_step(q.reshape(b * hq, d), groups.reshape(-1), scale, k, v, index.lists, index.counts, s,
+                                 end, threads)
         return out.reshape(b, hq, 1, d).to(q.dtype)
     groups = groups.reshape(b * hkv, rep).tolist()  # [B * Hkv][rows]
     far = {(j, g): index.far(*divmod(j, hkv), g, s, end) for j, gs in enumerate(groups) for g in gs}

@@ -101,6 +101,7 @@ def decode_step(q: torch.Tensor, groups: torch.Tensor, scale: float, k: torch.Te
     lib = library()
     b, hkv, lk, d = k.shape
     rows = q.shape[0]
+    q, groups = q.float().contiguous(), groups.long().contiguous()  # (no copies for the inputs decode passes)
     lists, counts = np.ascontiguousarray(lists, np.int32), np.ascontiguousarray(counts, np.int64)
     k_at = np.array([i * k.stride(0) + h * k.stride(1) for i in range(b) for h in range(hkv)], np.int64)
     v_at = np.array([i * v.stride(0) + h * v.stride(1) for i in range(b) for h in range(hkv)], np.int64)
