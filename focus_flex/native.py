@@ -3,8 +3,9 @@
 A default decode step (one query, top-1 query routing) is a few dozen small tensor ops per layer in PyTorch; in C it
 is one call that reads each selected key and value row once, in place, on the caller's threads (OpenMP: with a
 PyTorch that ships GNU OpenMP, the C code joins PyTorch's own thread pool). The library is compiled once per source
-version into ``$FOCUS_FLEX_CACHE`` (default ``~/.cache/focus_flex``), in about a second. Without a C compiler, or with
-``FOCUS_FLEX_NATIVE=0``, decode runs the PyTorch path instead (same results, slower), after one warning that says why.
+version and compiler into focus_flex's cache (:func:`focus_flex.models.cache_dir`), in about a second. Without a C
+compiler, or with ``FOCUS_FLEX_NATIVE=0``, decode runs the PyTorch path instead (same results, slower), after one
+warning that says why.
 """
 
 from __future__ import annotations
@@ -22,16 +23,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from focus_flex.models import cache_dir
+
 SOURCE = Path(__file__).with_name("csrc") / "decode_step.c"
 FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC")
 DTYPES = (torch.float32, torch.bfloat16)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ARGS = (_I, _I, _I, _P, _P, ctypes.c_float, _P, _P, _I, _P, _P, _I, ctypes.c_int, _P, _P, _I, _I, _I, _I, _I,
          ctypes.c_int, _P)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("FOCUS_FLEX_CACHE") or Path.home() / ".cache" / "focus_flex")
 
 
 def build(compiler: str | None = None, directory: Path | None = None) -> Path:
@@ -45,14 +44,16 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
         raise RuntimeError("no C compiler found (looked for $CC, cc, gcc, clang)")
     directory = directory or cache_dir()
     source = SOURCE.read_bytes()
-    errors = []
-    for extra in (("-fopenmp",), ()):
-        flags = FLAGS + extra
+    builds = []  # (flags, library file): with OpenMP, else one thread
+    for flags in (FLAGS + ("-fopenmp",), FLAGS):
         key = hashlib.sha256(source + repr((cc, flags)).encode()).hexdigest()[:16]
-        target = directory / f"decode_step-{key}.so"
+        builds.append((flags, directory / f"decode_step-{key}.so"))
+    for _, target in builds:
         if target.exists():
             return target
-        directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for flags, target in builds:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)  # built aside, then renamed: concurrent builds are safe
         os.close(fd)
         try:
@@ -94,8 +95,8 @@ def decode_step(q: torch.Tensor, groups: torch.Tensor, scale: float, k: torch.Te
                 lists: np.ndarray, counts: np.ndarray, sinks: int, end: int, threads: int) -> torch.Tensor:
     """One query row per (batch row, query head) against its sinks, window ``[end, Lk)`` and far group keys.
 
-    q ``[B * Hq, D]`` (float32, contiguous), groups ``[B * Hq]`` (int64, each row's one group), k/v ``[B, Hkv, Lk,
-    D]`` (:func:`applies`), ``lists``/``counts`` of the :class:`~focus_flex.decode.KeyIndex` of exactly these keys.
+    q ``[B * Hq, D]`` (computed in float32), groups ``[B * Hq]`` (each row's one group), k/v ``[B, Hkv, Lk, D]``
+    (:func:`applies`), ``lists``/``counts`` of the :class:`~focus_flex.decode.KeyIndex` of exactly these keys.
     Returns float32 ``[B * Hq, D]``.
     """
     lib = library()

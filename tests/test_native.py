@@ -79,15 +79,26 @@ STEP = """if True:
 """
 
 
-@pytest.mark.parametrize("env", [{"CC": "/no/such/cc"}, {"FOCUS_FLEX_NATIVE": "0"}])
-def test_without_the_c_step_decode_is_still_exact(env, tmp_path):
-    """No compiler: one warning that says why and how to fix it, then the PyTorch path. Switched off: no warning."""
-    run_env = {**os.environ, "FOCUS_FLEX_CACHE": str(tmp_path), **env}  # an empty cache: nothing prebuilt
-    done = subprocess.run([sys.executable, "-c", STEP], capture_output=True, text=True, env=run_env)
+@pytest.mark.parametrize("case", ["no compiler", "no OpenMP", "switched off"])
+def test_without_the_c_step_or_openmp_decode_is_still_exact(case, tmp_path):
+    """No compiler: one warning that says why and how to fix it, then the PyTorch path. A compiler without OpenMP:
+    the C step on one thread, silently (it is still the fast path). Switched off: the PyTorch path, no warning."""
+    cc = tmp_path / "cc-without-openmp"
+    cc.write_text(f'#!/bin/sh\ncase "$*" in *-fopenmp*) echo "no OpenMP here" >&2; exit 1;; esac\n'
+                  f'exec {shutil.which("cc") or shutil.which("gcc")} "$@"\n')
+    cc.chmod(0o755)
+    env = {"no compiler": {"CC": "/no/such/cc"}, "no OpenMP": {"CC": str(cc)},
+           "switched off": {"FOCUS_FLEX_NATIVE": "0"}}[case]
+    cache = tmp_path / "cache"  # empty: nothing prebuilt
+    done = subprocess.run([sys.executable, "-c", STEP], capture_output=True, text=True,
+                          env={**os.environ, "FOCUS_FLEX_CACHE": str(cache), **env})
     assert done.returncode == 0, done.stderr[-2000:]
     exact, warned = done.stdout.strip().split(" ", 1)
     assert exact == "True"
-    if "CC" in env:
+    built = sorted(p.name for p in cache.glob("*.so")) if cache.exists() else []
+    if case == "no compiler":
         assert warned.count("C decode step is unavailable") == 1 and "/no/such/cc" in warned
+        assert built == []
     else:
         assert warned == "[]"
+        assert len(built) == (case == "no OpenMP")
