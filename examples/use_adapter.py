@@ -50,7 +50,7 @@ def small_adapter(model, tokenizer):
     """A quickly trained adapter, for when no trained one is at hand (see finetune_centroids for the real thing)."""
     from focus_flex.train import TrainConfig, train
 
-    adapter = FocusAdapter.for_model(model, FocusConfig(num_groups=16, window=64 if SMALL else 256))
+    adapter = FocusAdapter.for_model(model, FocusConfig(window=64 if SMALL else 256))
     windows = token_windows(load_documents(None, "train"), tokenizer, 256 if SMALL else 1024)
     train(model, adapter, windows, TrainConfig(steps=2 if SMALL else 12, seq_len=windows.shape[1]))
     return adapter

@@ -94,8 +94,8 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     p.add_argument("--model-dtype", default="float32",
                    help="dtype of SmolLM2 in prefill/decode (bf16 matmuls are ~7x slower on AVX2-only CPUs)")
     p.add_argument("--adapter", default=None,
-                   help="trained adapter for prefill/decode (default: the first one under hub/, else k-means "
-                        "centroids of the model's own keys)")
+                   help="trained adapter for prefill/decode (default: benchmarks/smollm2-135m-instruct-focus-g16 "
+                        "in a source checkout, else k-means centroids of the model's own keys)")
     p.add_argument("--flex-causal-max", type=int, default=16384,
                    help="skip the compiled-flex causal baseline above this length (~2x slower than SDPA: minutes)")
     p.set_defaults(func=_cli)
@@ -206,12 +206,17 @@ def machine_info() -> dict[str, Any]:
             "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
 
 
+BENCH_ADAPTER = Path(__file__).resolve().parent.parent / "benchmarks" / "smollm2-135m-instruct-focus-g16"
+
+
 def _find_adapter() -> str | None:
+    """The trained adapter of the prefill and decode sections: SmolLM2 centroids in issue 5's configuration (G=16,
+    top-1 queries and keys), kept next to the benchmark results in a source checkout; None elsewhere (then random
+    centroids)."""
     from focus_flex.config import CONFIG_NAME, WEIGHTS_NAME
 
-    hub = Path(__file__).resolve().parent.parent / "hub"
-    found = sorted(p.parent for p in hub.glob(f"**/{CONFIG_NAME}") if (p.parent / WEIGHTS_NAME).is_file())
-    return str(found[0]) if found else None
+    found = (BENCH_ADAPTER / CONFIG_NAME).is_file() and (BENCH_ADAPTER / WEIGHTS_NAME).is_file()
+    return str(BENCH_ADAPTER) if found else None
 
 
 def _run_worker(spec: dict[str, Any], timeout: float = 3600) -> dict[str, Any]:

@@ -13,11 +13,11 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from focus_flex import FocusAdapter, hub
-from focus_flex.cli import build_parser, keep_freed_memory, main
+from focus_flex.cli import DEFAULT_FOCUS, build_parser, keep_freed_memory, main
 from focus_flex.evaluate import MODES, PLOT_PNG, RESULTS_JSON, RESULTS_MD
 
 WORDS = [f"w{i}" for i in range(90)]
-TINY = ["--context", "64", "--seq-len", "48", "--groups", "4", "--window", "8", "--sinks", "2",
+TINY = ["--context", "64", "--seq-len", "48", "--groups", "4", "--key-top-k", "1", "--window", "8", "--sinks", "2",
         "--query-samples", "8", "--eval-windows", "2", "--no-progress"]
 
 
@@ -78,6 +78,7 @@ def test_retrofit_then_eval(tiny, tmp_path, capsys):
     (["--data", "TINY/train"], "no held-out split: pass --eval-data"),
     (["--data", "TINY/train", "--eval-data", "TINY/eval", "--context", "512"], "longer than the 256 tokens"),
     (["--data", "TINY/train", "--eval-data", "TINY/eval", "--context", "4000"], "longer than the 256 tokens"),
+    (["--data", "TINY/train", "--eval-data", "TINY/eval", "--key-top-k", "4"], "every key would join every group"),
 ])
 def test_retrofit_errors_are_clear(tiny, tmp_path, capsys, args, message):
     args = [a.replace("MODEL", str(tiny / "model")).replace("TINY", str(tiny)) for a in args]
@@ -108,7 +109,7 @@ def test_retrofit_default_model_end_to_end(tmp_path):
                  "--eval-windows", "1", "--output-dir", str(out), "--no-progress"]) == 0
     adapter = FocusAdapter.from_pretrained(str(out / "adapter"))
     assert adapter.config.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    assert tuple(adapter.centroids.shape) == (30, 3, 16, 64)
+    assert tuple(adapter.centroids.shape) == (30, 3, DEFAULT_FOCUS.num_groups, 64)
     res = {r["mode"]: r for r in json.loads((out / "adapter" / RESULTS_JSON).read_text())["results"]}
     assert set(res) == set(MODES)
     assert 5 < res["full"]["perplexity"] < 100  # real text, real model

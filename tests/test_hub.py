@@ -22,6 +22,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from focus_flex import FocusAdapter, hub
+from focus_flex.cli import DEFAULT_FOCUS
 from focus_flex.config import CONFIG_NAME, WEIGHTS_NAME, FocusConfig
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -541,7 +542,9 @@ def test_published_default_adapter_is_a_ready_to_push_repo():
     config, table = hub.validate_adapter_folder(folder)
     adapter = FocusAdapter.from_pretrained(folder)
     assert config.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and config.model_type == "llama"
-    assert tuple(adapter.centroids.shape) == (30, 3, 16, 64) and table["centroids"]["shape"] == [30, 3, 16, 64]
+    d = DEFAULT_FOCUS  # made by `focus-flex retrofit` with its defaults
+    assert (config.num_groups, config.query_top_k, config.key_top_k) == (d.num_groups, d.query_top_k, d.key_top_k)
+    assert list(adapter.centroids.shape) == table["centroids"]["shape"] == [30, 3, d.num_groups, 64]
     assert torch.allclose(adapter.centroids.norm(dim=-1), torch.ones(()), atol=1e-4)  # trained, unit-norm
     card = open(os.path.join(folder, "README.md"), encoding="utf-8").read()
     meta = _front_matter(card)
