@@ -211,8 +211,8 @@ BENCH_ADAPTER = Path(__file__).resolve().parent.parent / "benchmarks" / "smollm2
 
 def _find_adapter() -> str | None:
     """The trained adapter of the prefill and decode sections: SmolLM2 centroids in issue 5's configuration (G=16,
-    top-1 queries and keys), kept next to the benchmark results in a source checkout; None elsewhere (then random
-    centroids)."""
+    top-1 queries and keys), kept next to the benchmark results in a source checkout; None elsewhere (then k-means
+    centroids of the model's own keys)."""
     from focus_flex.config import CONFIG_NAME, WEIGHTS_NAME
 
     found = (BENCH_ADAPTER / CONFIG_NAME).is_file() and (BENCH_ADAPTER / WEIGHTS_NAME).is_file()
