@@ -113,12 +113,16 @@ class KeyIndex:
         self.length += n
 
 
+def _far_end(lk: int, lq: int, config: FocusConfig) -> int:
+    """Where the far keys of the last ``lq`` of ``lk`` keys end: they lie in ``[sinks, end)``; keys from ``end`` on
+    are in the window of some query."""
+    return max(config.sink_tokens, lk - lq - config.window + 1)
+
+
 def _local(lk: int, lq: int, config: FocusConfig) -> tuple[np.ndarray, int]:
-    """Positions of the sinks and of the window of the last ``lq`` of ``lk`` keys, and where far keys end: they lie
-    in ``[sinks, end)``."""
-    s = config.sink_tokens
-    end = max(s, lk - lq - config.window + 1)  # keys from here on are near some query
-    return np.concatenate((np.arange(min(s, lk), dtype=np.int32), np.arange(end, lk, dtype=np.int32))), end
+    """Positions of the sinks and of the window of the last ``lq`` of ``lk`` keys, and :func:`_far_end`."""
+    end, sinks = _far_end(lk, lq, config), min(config.sink_tokens, lk)
+    return np.concatenate((np.arange(sinks, dtype=np.int32), np.arange(end, lk, dtype=np.int32))), end
 
 
 def _flat_rows(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -166,12 +170,12 @@ def _one_group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cent
     """
     b, hq, _, d = q.shape
     hkv, rep, dev = k.shape[1], hq // k.shape[1], q.device
-    s, (local, end) = config.sink_tokens, _local(k.shape[2], 1, config)
-    groups = routing.hard_groups(q, centroids, 1)
-    if native.applies(k, v) and native.library() is not None:  # the same step, fused in C
+    s, groups = config.sink_tokens, routing.hard_groups(q, centroids, 1)
+    if native.applies(k, v) and native.library() is not None:  # the same step, fused in C (it knows the local keys)
         out = native.decode_step(q.reshape(b * hq, d), groups.reshape(-1), scale, k, v, index.lists, index.counts, s,
-                                 end, threads)
+                                 _far_end(k.shape[2], 1, config), threads)
         return out.reshape(b, hq, 1, d).to(q.dtype)
+    local, end = _local(k.shape[2], 1, config)
     groups = groups.reshape(b * hkv, rep).tolist()  # [B * Hkv][rows]
     far = {(j, g): index.far(*divmod(j, hkv), g, s, end) for j, gs in enumerate(groups) for g in gs}
     keys = [(j, np.concatenate((local, far[j, g]))) for j, gs in enumerate(groups) for g in gs]  # row by row

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from focus_flex import FocusConfig, native, reference_attention, routing
-from focus_flex.decode import KeyIndex, _local, _one_group_attention
+from focus_flex.decode import KeyIndex, _far_end, _one_group_attention
 
 
 def setup(b, hq, hkv, lk, g, cfg, dtype=torch.float32, seed=0):
@@ -31,7 +31,7 @@ def test_c_step_equals_pytorch_step_and_reference(parts, dtype, monkeypatch):
     q, k, v, c, index = setup(2, 16, 2, 1500, 3, cfg, dtype)
     groups = routing.hard_groups(q, c, 1)
     assert len(set(groups[0, :8].flatten().tolist())) < 8  # some rows of a KV head share a group
-    end = _local(k.shape[2], 1, cfg)[1]
+    end = _far_end(k.shape[2], 1, cfg)
     rows = q.reshape(32, 32).float()
     out = native.decode_step(rows, groups.reshape(-1), 32 ** -0.5, k, v, index.lists, index.counts, 4, end, parts)
     ref = reference_attention(q.float(), k.float(), v.float(), c, cfg).reshape(32, 32)
