@@ -104,8 +104,8 @@ def decode_step(q: torch.Tensor, groups: torch.Tensor, scale: float, k: torch.Te
     rows = q.shape[0]
     q, groups = q.float().contiguous(), groups.long().contiguous()  # (no copies for the inputs decode passes)
     lists, counts = np.ascontiguousarray(lists, np.int32), np.ascontiguousarray(counts, np.int64)
-    k_at = np.array([i * k.stride(0) + h * k.stride(1) for i in range(b) for h in range(hkv)], np.int64)
-    v_at = np.array([i * v.stride(0) + h * v.stride(1) for i in range(b) for h in range(hkv)], np.int64)
+    k_at, v_at = (np.array([i * x.stride(0) + h * x.stride(1) for i in range(b) for h in range(hkv)], np.int64)
+                  for x in (k, v))  # offset of position 0 of each (batch row, KV head)
     out = q.new_empty(rows, d)
     code = lib.focus_decode_step(
         rows, d, rows // (b * hkv), q.data_ptr(), groups.data_ptr(), scale, k.data_ptr(), k_at.ctypes.data, k.stride(2),
