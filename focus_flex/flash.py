@@ -33,6 +33,7 @@ from focus_flex.config import FocusConfig
 
 LOCAL_CHUNK = 64  # query positions per local chunk (measured at window 256: 64 beats 32 and 128)
 FAR_CHUNK = 512  # query copies per far call (measured: 512 beats 256 and 1024 at 8K-32K)
+FAR_TAIL = 512  # at most this many keys under a far chunk's staircase mask (its template: (FAR_TAIL + 1) ** 2 floats)
 LOCAL_BATCH = 32  # local chunks per flash call (gathered keys: ~2.6 MB per tensor; 64 is no faster, 16 slower)
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -130,19 +131,18 @@ def far_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FarPlan, s
     # Copies are sorted by position within a group, so hi grows: the ones with far keys are a suffix [a, b).
     ends = [(a0, b) for a0, b in zip(plan.bounds[:-1], plan.bounds[1:], strict=True) if a0 < b]
     suffixes = [(a, b) for a, b in ((_after(hi, lo[a0], a0, b), b) for a0, b in ends) if a < b]
+    chunks = [_far_chunks(hi, a, b) for a, b in suffixes]
     # A tail mask is a staircase (row i sees the first n_i keys): rows of one template, picked by n_i.
-    width = max((hi[min(r0 + FAR_CHUNK, b) - 1] - hi[r0] for a, b in suffixes for r0 in range(a, b, FAR_CHUNK)),
-                default=0)
+    width = max((hi[r1 - 1] - hi[r0] for group in chunks for r0, r1 in group), default=0)
     n = torch.arange(width + 1)
     stairs = torch.zeros((), dtype=q.dtype).masked_fill(n[None, :width] >= n[:, None], float("-inf"))
-    for a, b in suffixes:
+    for (a, b), group in zip(suffixes, chunks, strict=True):
         k_lo, k_hi = lo[a], hi[b - 1]  # the group's keys any of its copies sees
         rows = plan.q_row[a:b]
         qs = qf.index_select(0, rows)[None, None]  # [1, 1, copies, D]: the flash op's layout
         ks, vs = (x.index_select(0, plan.k_src[k_lo:k_hi])[None, None] for x in (k, v))
         po, pl = qs.new_zeros(2, 1, 1, b - a, d), torch.full((2, 1, 1, b - a), float("-inf"))  # [full, tail]
-        for r0 in range(a, b, FAR_CHUNK):
-            r1 = min(r0 + FAR_CHUNK, b)
+        for r0, r1 in group:
             k0, k1, k2 = lo[r0] - k_lo, hi[r0] - k_lo, hi[r1 - 1] - k_lo
             sl = (slice(None), slice(None), slice(r0 - a, r1 - a))
             po[0][sl], pl[0][sl] = _flash(qs[sl], ks[..., k0:k1, :], vs[..., k0:k1, :], 0.0, False, scale=scale)[:2]
@@ -153,6 +153,18 @@ def far_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FarPlan, s
                 po[1][sl], pl[1][sl] = _flash(qs[sl], ks[..., k1:k2, :], vs[..., k1:k2, :], 0.0, False,
                                               attn_mask=mask, scale=scale)[:2]
         _merge_into(out, lse, rows, po.view(2, -1, d), pl.view(2, -1))
+
+
+def _far_chunks(hi: np.ndarray, a: int, b: int) -> list[tuple[int, int]]:
+    """Split a group's copies ``[a, b)`` (hi ascending) into chunks of at most ``FAR_CHUNK`` copies whose tail keys
+    (seen by some rows of the chunk but not its first) number at most ``FAR_TAIL``: where a group's keys are dense
+    and its queries sparse, a fixed number of rows would see thousands of tail keys, most of them masked."""
+    chunks, r0 = [], a
+    while r0 < b:
+        r1 = min(r0 + FAR_CHUNK, _after(hi, hi[r0] + FAR_TAIL, r0, b))  # > r0: row r0 itself qualifies
+        chunks.append((r0, r1))
+        r0 = r1
+    return chunks
 
 
 def _after(sorted_: np.ndarray, x: int, a: int, b: int) -> int:

@@ -86,12 +86,12 @@ FLASH_CASES = [
 ]
 
 
-@pytest.mark.parametrize("chunks", [(16, 8), (128, 256)], ids=["tiny chunks", "default chunks"])
+@pytest.mark.parametrize("chunks", [(16, 8, 3), (128, 256, 512)], ids=["tiny chunks", "large chunks"])
 @pytest.mark.parametrize("case", FLASH_CASES, ids=[str(c) for c in FLASH_CASES])
 def test_flash_kernel_over_many_chunks(case, chunks, monkeypatch):
     """The flash kernel's chunking (first chunks near the sinks, staircase tails of far chunks) is exact."""
-    monkeypatch.setattr(flash, "LOCAL_CHUNK", chunks[0])
-    monkeypatch.setattr(flash, "FAR_CHUNK", chunks[1])
+    for name, value in zip(("LOCAL_CHUNK", "FAR_CHUNK", "FAR_TAIL"), chunks, strict=True):
+        monkeypatch.setattr(flash, name, value)
     b, hq, hkv, lq, lk, kq, kk, w, s, pad, g = case
     cfg = FocusConfig(num_groups=g, query_top_k=kq, key_top_k=kk, window=w, sink_tokens=s)
     q, k, v, c, mask = make(b, hq, hkv, lq, lk, g=g, pad=pad, seed=1)
@@ -117,6 +117,31 @@ def test_groups_nobody_routes_to(kernel):
     assert used == [0, 1, 3, 4]
     out = focus_attention(q, k, v, c, cfg, kernel=kernel)
     assert max_diff(out, reference_attention(q, k, v, c, cfg)) <= 1e-4
+
+
+def test_flash_far_chunks_bound_the_staircase_where_keys_crowd_one_group():
+    """Real routing can send most keys but few queries to one group: a far chunk of FAR_CHUNK rows would then see
+    thousands of keys under its staircase mask (at 16K tokens a 231 MB mask template, most of it masked). Chunks are
+    cut so that no tail is wider than FAR_TAIL; the result stays exact."""
+    cfg = FocusConfig(num_groups=4, window=32, sink_tokens=2)
+    gen = torch.Generator().manual_seed(5)
+    n, d = 3000, 16
+    q, k, v = (torch.randn(1, h, n, d, generator=gen) for h in (2, 1, 1))
+    c = torch.randn(1, 4, d, generator=gen)
+    c[..., 0], c[0, 0] = 0.0, torch.eye(d)[0]
+    k[..., 0] += 20.0  # nearly every key in group 0 ...
+    q[..., 0] -= 20.0
+    q[:, :, ::25, 0] += 40.0  # ... but only every 25th query: 1 row per 25 new keys
+    qg, kg = routing.hard_groups(q, c, 1), routing.hard_groups(k, c, 1)
+    assert (kg == 0).float().mean() > 0.95 and (qg == 0).float().mean() < 0.05
+    plan = flash.far_plan(qg[0], kg[0, 0], 0, cfg)
+    hi = plan.hi.numpy()
+    a, b = flash._after(hi, plan.lo[0].item(), 0, plan.bounds[1]), plan.bounds[1]
+    chunks = flash._far_chunks(hi, a, b)
+    assert chunks[0][0] == a and chunks[-1][1] == b and all(x[1] == y[0] for x, y in zip(chunks, chunks[1:]))
+    assert max(hi[r1 - 1] - hi[r0] for r0, r1 in chunks) <= flash.FAR_TAIL < hi[b - 1] - hi[a]
+    assert len(chunks) > 1 and max(r1 - r0 for r0, r1 in chunks) < flash.FAR_CHUNK  # cut by the tail, not the rows
+    assert max_diff(focus_attention(q, k, v, c, cfg, kernel="flash"), reference_attention(q, k, v, c, cfg)) <= 1e-4
 
 
 def test_flash_kernel_takes_strided_inputs():
