@@ -33,6 +33,7 @@ from focus_flex.config import FocusConfig
 
 LOCAL_CHUNK = 64  # query positions per local chunk (measured at window 256: 64 beats 32 and 128)
 FAR_CHUNK = 512  # query copies per far call (measured: 512 beats 256 and 1024 at 8K-32K)
+FAR_BLOCK = 4096  # far query copies gathered and merged at a time (temporaries ~1 MB per buffer at head dim 64)
 FAR_TAIL = 512  # at most this many keys under a far chunk's staircase mask (its template: (FAR_TAIL + 1) ** 2 floats)
 LOCAL_BATCH = 32  # local chunks per flash call (gathered keys: ~2.6 MB per tensor; 64 is no faster, 16 slower)
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -48,7 +49,8 @@ def local_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, co
     """Sinks + window for queries at positions ``[start, start + Lq)`` of one unpadded sequence.
 
     q ``[R, Lq, D]`` (the query heads of one KV head), k/v ``[Lk, D]``. Returns the output ``[R, Lq, D]`` (float32,
-    or written into ``out`` if given: contiguous, Lq a multiple of ``LOCAL_CHUNK``) and the float32 lse ``[R, Lq]``.
+    or written into ``out`` if given: Lq a multiple of ``LOCAL_CHUNK``, any strides) and the float32 lse
+    ``[R, Lq]``.
     Sinks (positions < sink_tokens) count only as sinks, never as window keys. Chunks go ``LOCAL_BATCH`` at a
     time, so the gathered keys stay a few MB.
     """
@@ -120,13 +122,13 @@ def far_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FarPlan, s
              lse: torch.Tensor) -> None:
     """Add the same-group pairs beyond the window and past the sinks to a partial result, in place.
 
-    q ``[R, Lq, D]``, k/v ``[Lk, D]``; ``out`` ``[R * Lq, D]`` (normalised, any float dtype) and ``lse``
-    ``[R * Lq]`` (float32) hold the local part (every row has a key). Group by group, chunks of its sorted query
-    copies attend the keys every row of the chunk sees, then the rest under a staircase mask; the group's results
-    are merged into ``out`` and ``lse`` right away, so the temporaries are one group's.
+    q ``[R, Lq, D]``, k/v ``[Lk, D]``; ``out`` ``[R, Lq, D]`` (normalised, any float dtype, any layout whose rows of
+    D are contiguous and D apart, e.g. transformers' ``[L, H, D]`` memory) and ``lse`` ``[R * Lq]`` (float32) hold
+    the local part (every row has a key). Group by group, chunks of its sorted query copies attend the keys every
+    row of the chunk sees, then the rest under a staircase mask. Results are merged into ``out`` and ``lse`` every
+    ``FAR_BLOCK`` copies, so the temporaries stay a few MB however many copies a group has.
     """
     d = q.shape[-1]
-    qf = q.reshape(-1, d)
     lo, hi = plan.lo.numpy(), plan.hi.numpy()  # views: scalar reads without a Python int per copy
     # Copies are sorted by position within a group, so hi grows: the ones with far keys are a suffix [a, b).
     ends = [(a0, b) for a0, b in zip(plan.bounds[:-1], plan.bounds[1:], strict=True) if a0 < b]
@@ -136,23 +138,50 @@ def far_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FarPlan, s
     width = max((hi[r1 - 1] - hi[r0] for group in chunks for r0, r1 in group), default=0)
     n = torch.arange(width + 1)
     stairs = torch.zeros((), dtype=q.dtype).masked_fill(n[None, :width] >= n[:, None], float("-inf"))
+    q_flat, q_rows = _rows(q, plan.q_row)
+    out_flat, out_rows = _rows(out, plan.q_row)
     for (a, b), group in zip(suffixes, chunks, strict=True):
         k_lo, k_hi = lo[a], hi[b - 1]  # the group's keys any of its copies sees
-        rows = plan.q_row[a:b]
-        qs = qf.index_select(0, rows)[None, None]  # [1, 1, copies, D]: the flash op's layout
-        ks, vs = (x.index_select(0, plan.k_src[k_lo:k_hi])[None, None] for x in (k, v))
-        po, pl = qs.new_zeros(2, 1, 1, b - a, d), torch.full((2, 1, 1, b - a), float("-inf"))  # [full, tail]
-        for r0, r1 in group:
-            k0, k1, k2 = lo[r0] - k_lo, hi[r0] - k_lo, hi[r1 - 1] - k_lo
-            sl = (slice(None), slice(None), slice(r0 - a, r1 - a))
-            po[0][sl], pl[0][sl] = _flash(qs[sl], ks[..., k0:k1, :], vs[..., k0:k1, :], 0.0, False, scale=scale)[:2]
-            rt = _after(hi, hi[r0], r0, r1)  # rows [rt, r1) also see some of the keys [k1, k2)
-            if rt < r1:
-                sl = (slice(None), slice(None), slice(rt - a, r1 - a))
-                mask = stairs[:, :k2 - k1].index_select(0, plan.hi[rt:r1] - (k_lo + k1))
-                po[1][sl], pl[1][sl] = _flash(qs[sl], ks[..., k1:k2, :], vs[..., k1:k2, :], 0.0, False,
-                                              attn_mask=mask, scale=scale)[:2]
-        _merge_into(out, lse, rows, po.view(2, -1, d), pl.view(2, -1))
+        ks, vs = (x.index_select(0, plan.k_src[k_lo:k_hi])[None, None] for x in (k, v))  # the flash op's layout
+        for block in _far_blocks(group):
+            b0, b1 = block[0][0], block[-1][1]
+            qs = q_flat.index_select(0, q_rows[b0:b1])[None, None]  # [1, 1, copies, D]
+            po, pl = qs.new_zeros(2, 1, 1, b1 - b0, d), torch.full((2, 1, 1, b1 - b0), float("-inf"))  # full, tail
+            for r0, r1 in block:
+                k0, k1, k2 = lo[r0] - k_lo, hi[r0] - k_lo, hi[r1 - 1] - k_lo
+                sl = (slice(None), slice(None), slice(r0 - b0, r1 - b0))
+                po[0][sl], pl[0][sl] = _flash(qs[sl], ks[..., k0:k1, :], vs[..., k0:k1, :], 0.0, False,
+                                              scale=scale)[:2]
+                rt = _after(hi, hi[r0], r0, r1)  # rows [rt, r1) also see some of the keys [k1, k2)
+                if rt < r1:
+                    sl = (slice(None), slice(None), slice(rt - b0, r1 - b0))
+                    mask = stairs[:, :k2 - k1].index_select(0, plan.hi[rt:r1] - (k_lo + k1))
+                    po[1][sl], pl[1][sl] = _flash(qs[sl], ks[..., k1:k2, :], vs[..., k1:k2, :], 0.0, False,
+                                                  attn_mask=mask, scale=scale)[:2]
+            _merge_into(out_flat, out_rows[b0:b1], lse, plan.q_row[b0:b1], po.view(2, -1, d), pl.view(2, -1))
+
+
+def _rows(x: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[R, L, D]`` as rows ``[n, D]`` of its memory, and the row of each ``x[i // L, i % L]`` for i in
+    ``index``. A view wherever rows of D are contiguous and D apart (a write through it lands in ``x``); otherwise
+    a contiguous copy."""
+    r, lq, d = x.shape
+    if x.stride(2) != 1 or x.stride(0) % d or x.stride(1) % d:
+        x = x.contiguous()
+    head, pos = x.stride(0) // d, x.stride(1) // d
+    rows = index if (head, pos) == (lq, 1) else torch.div(index, lq, rounding_mode="floor") * head + index % lq * pos
+    return x.as_strided(((r - 1) * head + (lq - 1) * pos + 1, d), (d, 1)), rows
+
+
+def _far_blocks(chunks: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Consecutive chunks of one group, at most ``FAR_BLOCK`` copies a block (a chunk longer than that alone)."""
+    blocks: list[list[tuple[int, int]]] = []
+    for r0, r1 in chunks:
+        if blocks and r1 - blocks[-1][0][0] <= FAR_BLOCK:
+            blocks[-1].append((r0, r1))
+        else:
+            blocks.append([(r0, r1)])
+    return blocks
 
 
 def _far_chunks(hi: np.ndarray, a: int, b: int) -> list[tuple[int, int]]:
@@ -172,28 +201,32 @@ def _after(sorted_: np.ndarray, x: int, a: int, b: int) -> int:
     return a + int(sorted_[a:b].searchsorted(x, side="right"))
 
 
-def _merge_into(out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, parts: torch.Tensor,
-                part_lse: torch.Tensor) -> None:
-    """``out[rows]`` (any float dtype; merged in float32) and ``lse[rows]`` (float32, finite) united with parts
-    ``[P, n, D]`` / ``[P, n]`` of the same rows (normalised outputs, lse -inf where empty), exactly, in place.
-    ``rows`` must not repeat."""
-    cur = lse.index_select(0, rows)
+def _merge_into(out: torch.Tensor, out_rows: torch.Tensor, lse: torch.Tensor, lse_rows: torch.Tensor,
+                parts: torch.Tensor, part_lse: torch.Tensor) -> None:
+    """``out[out_rows]`` (any float dtype; merged in float32) and ``lse[lse_rows]`` (float32, finite), the same n
+    query rows, united with parts ``[P, n, D]`` / ``[P, n]`` of them (normalised outputs, lse -inf where empty),
+    exactly, in place. Rows must not repeat."""
+    cur = lse.index_select(0, lse_rows)
     new = torch.logaddexp(cur, torch.logsumexp(part_lse, 0))
-    acc = out.index_select(0, rows).float().mul_((cur - new).exp_()[:, None])
+    acc = out.index_select(0, out_rows).float().mul_((cur - new).exp_()[:, None])
     for o, l_ in zip(parts, part_lse, strict=True):
         acc.addcmul_(o, (l_ - new).exp_()[:, None])
-    out.index_copy_(0, rows, acc.to(out.dtype))
-    lse.index_copy_(0, rows, new)
+    out.index_copy_(0, out_rows, acc.to(out.dtype))
+    lse.index_copy_(0, lse_rows, new)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_groups: torch.Tensor,
                     k_groups: torch.Tensor, valid: torch.Tensor, config: FocusConfig, scale: float) -> torch.Tensor:
     """Focus prefill on CPU. q ``[B, Hq, Lq, D]``, k/v ``[B, Hkv, Lk, D]``, groups ``[B, H, L, top-k]``, valid
-    ``[B, Lk]`` (real tokens). Exact: the result of :func:`focus_flex.attention.reference_attention`."""
+    ``[B, Lk]`` (real tokens). Exact: the result of :func:`focus_flex.attention.reference_attention`.
+
+    The output has q's memory layout where q's is dense, as SDPA's does: transformers hands q as a ``[B, L, H, D]``
+    projection viewed as ``[B, H, L, D]``, and turns the output back into ``[B, L, H, D]`` for free.
+    """
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     rep = hq // hkv
-    out = q.new_empty(b, hq, lq, d) if bool(valid.all()) else q.new_zeros(b, hq, lq, d)  # padded query rows: 0
+    out = torch.empty_like(q) if bool(valid.all()) else torch.zeros_like(q)  # padded query rows: 0
     for i in range(b):
         keys = valid[i].nonzero()[:, 0]
         queries = valid[i, lk - lq:].nonzero()[:, 0]
@@ -210,9 +243,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_groups:
             # calls return the input dtype anyway; a merge sums in float32 and rounds once (query top-1: one merge).
             direct = dense and m % LOCAL_CHUNK == 0
             res, lse = local_part(qj, kj, vj, n - m, config, scale, out[i, hs] if direct else None)
-            res, lse = res.reshape(rep * m, d), lse.reshape(rep * m)  # contiguous unless Lq is not a chunk multiple
-            far_part(qj, kj, vj, far_plan(qg, kg, n - m, config), scale, res, lse)
+            far_part(qj, kj, vj, far_plan(qg, kg, n - m, config), scale, res, lse.reshape(rep * m))
             if not direct:
-                out[i, hs, queries] = res.view(rep, m, d).to(q.dtype)
+                out[i, hs, queries] = res.to(q.dtype)
             del res, lse  # before the next head allocates its own
     return out

@@ -86,11 +86,12 @@ FLASH_CASES = [
 ]
 
 
-@pytest.mark.parametrize("chunks", [(16, 8, 3), (128, 256, 512)], ids=["tiny chunks", "large chunks"])
+@pytest.mark.parametrize("chunks", [(16, 8, 3, 20), (128, 256, 512, 4096)], ids=["tiny chunks", "large chunks"])
 @pytest.mark.parametrize("case", FLASH_CASES, ids=[str(c) for c in FLASH_CASES])
 def test_flash_kernel_over_many_chunks(case, chunks, monkeypatch):
-    """The flash kernel's chunking (first chunks near the sinks, staircase tails of far chunks) is exact."""
-    for name, value in zip(("LOCAL_CHUNK", "FAR_CHUNK", "FAR_TAIL"), chunks, strict=True):
+    """The flash kernel's chunking (first chunks near the sinks, staircase tails of far chunks, blocks of far copies
+    merged at a time) is exact."""
+    for name, value in zip(("LOCAL_CHUNK", "FAR_CHUNK", "FAR_TAIL", "FAR_BLOCK"), chunks, strict=True):
         monkeypatch.setattr(flash, name, value)
     b, hq, hkv, lq, lk, kq, kk, w, s, pad, g = case
     cfg = FocusConfig(num_groups=g, query_top_k=kq, key_top_k=kk, window=w, sink_tokens=s)
@@ -152,7 +153,9 @@ def test_flash_kernel_takes_strided_inputs():
     k, v = (torch.randn(1, 256, 2, 16, generator=gen).transpose(1, 2) for _ in range(2))
     c = torch.randn(2, 4, 16, generator=gen)
     assert not q.is_contiguous()
-    assert max_diff(focus_attention(q, k, v, c, cfg, kernel="flash"), reference_attention(q, k, v, c, cfg)) <= 1e-4
+    out = focus_attention(q, k, v, c, cfg, kernel="flash")
+    assert max_diff(out, reference_attention(q, k, v, c, cfg)) <= 1e-4
+    assert out.transpose(1, 2).is_contiguous()  # q's layout, as SDPA's output: transformers' transpose back is free
 
 
 DECODE_CASES = [
