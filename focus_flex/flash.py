@@ -138,7 +138,7 @@ def far_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FarPlan, s
     width = max((hi[r1 - 1] - hi[r0] for group in chunks for r0, r1 in group), default=0)
     n = torch.arange(width + 1)
     stairs = torch.zeros((), dtype=q.dtype).masked_fill(n[None, :width] >= n[:, None], float("-inf"))
-    q_flat, q_rows = _rows(q, plan.q_row)
+    q_flat, q_rows = _rows(q if _has_rows(q) else q.contiguous(), plan.q_row)
     out_flat, out_rows = _rows(out, plan.q_row)
     for (a, b), group in zip(suffixes, chunks, strict=True):
         k_lo, k_hi = lo[a], hi[b - 1]  # the group's keys any of its copies sees
@@ -162,15 +162,21 @@ def far_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FarPlan, s
 
 
 def _rows(x: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` ``[R, L, D]`` as rows ``[n, D]`` of its memory, and the row of each ``x[i // L, i % L]`` for i in
-    ``index``. A view wherever rows of D are contiguous and D apart (a write through it lands in ``x``); otherwise
-    a contiguous copy."""
+    """``x`` ``[R, L, D]`` as a view ``[n, D]`` of its memory's rows, and the row of each ``x[i // L, i % L]`` for i
+    in ``index``; a write through the view lands in ``x``. Needs rows of D contiguous and D apart
+    (:func:`_has_rows`)."""
     r, lq, d = x.shape
-    if x.stride(2) != 1 or x.stride(0) % d or x.stride(1) % d:
-        x = x.contiguous()
+    if not _has_rows(x):
+        raise ValueError(f"strides {x.stride()} of a [R, L, D] = {tuple(x.shape)} tensor do not make rows of D")
     head, pos = x.stride(0) // d, x.stride(1) // d
     rows = index if (head, pos) == (lq, 1) else torch.div(index, lq, rounding_mode="floor") * head + index % lq * pos
     return x.as_strided(((r - 1) * head + (lq - 1) * pos + 1, d), (d, 1)), rows
+
+
+def _has_rows(x: torch.Tensor) -> bool:
+    """Whether ``[R, L, D]`` ``x`` is rows of D, contiguous and D apart: every layout transformers hands attention."""
+    d = x.shape[-1]
+    return x.stride(2) == 1 and x.stride(0) % d == 0 and x.stride(1) % d == 0
 
 
 def _far_blocks(chunks: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
