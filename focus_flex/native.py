@@ -3,7 +3,7 @@
 A default decode step (one query, top-1 query routing) is a few dozen small tensor ops per layer in PyTorch; in C it
 is one call that reads each selected key and value row once, in place, on the caller's threads (OpenMP: with a
 PyTorch that ships GNU OpenMP, the C code joins PyTorch's own thread pool). The library is compiled once per source
-version and compiler into focus_flex's cache (:func:`focus_flex.models.cache_dir`), in about a second. Without a C
+version and compiler into focus_flex's cache (:func:`focus_flex.config.cache_dir`), in about a second. Without a C
 compiler, or with ``FOCUS_FLEX_NATIVE=0``, decode runs the PyTorch path instead (same results, slower), after one
 warning that says why.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from focus_flex.models import cache_dir
+from focus_flex.config import cache_dir
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_step.c"
 FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC")

@@ -6,6 +6,8 @@ import importlib.metadata
 import importlib.util
 import json
 import math
+import subprocess
+import sys
 import time
 
 import datasets
@@ -235,3 +237,12 @@ def test_default_model_reloads_from_safetensors_cache(smollm2, monkeypatch):
     name = "model.embed_tokens.weight"
     assert torch.equal(again.state_dict()[name], model.state_dict()[name].to(torch.bfloat16))
     assert elapsed < 15, elapsed  # ~0.5-1 s on an idle machine; generous for a loaded CI box
+
+
+def test_importing_focus_flex_leaves_transformers_for_model_loading():
+    """Attention alone needs no transformers: ``import focus_flex`` stays ~110 MB of RSS and seconds of import
+    lighter until a model is loaded (a cache-path helper once pulled transformers in through the C decode step)."""
+    heavy = ("transformers", "datasets", "matplotlib")
+    code = f"import sys, focus_flex; print(sorted(m for m in {heavy} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
