@@ -226,13 +226,14 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_groups:
     """Focus prefill on CPU. q ``[B, Hq, Lq, D]``, k/v ``[B, Hkv, Lk, D]``, groups ``[B, H, L, top-k]``, valid
     ``[B, Lk]`` (real tokens). Exact: the result of :func:`focus_flex.attention.reference_attention`.
 
-    The output has q's memory layout where q's is dense, as SDPA's does: transformers hands q as a ``[B, L, H, D]``
-    projection viewed as ``[B, H, L, D]``, and turns the output back into ``[B, L, H, D]`` for free.
+    The output has q's memory layout where q's is dense with contiguous rows of D, as SDPA's does: transformers
+    hands q as a ``[B, L, H, D]`` projection viewed as ``[B, H, L, D]``, and turns the output back for free.
     """
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     rep = hq // hkv
-    out = torch.empty_like(q) if bool(valid.all()) else torch.zeros_like(q)  # padded query rows: 0
+    layout = torch.preserve_format if q.stride(-1) == 1 else torch.contiguous_format  # rows of D: see _rows
+    out = (torch.empty_like if bool(valid.all()) else torch.zeros_like)(q, memory_format=layout)  # padded rows: 0
     for i in range(b):
         keys = valid[i].nonzero()[:, 0]
         queries = valid[i, lk - lq:].nonzero()[:, 0]

@@ -157,8 +157,9 @@ def test_flash_kernel_takes_strided_inputs():
     out = focus_attention(q, k, v, c, cfg, kernel="flash")
     assert max_diff(out, reference_attention(q, k, v, c, cfg)) <= 1e-4
     assert out.transpose(1, 2).is_contiguous()  # q's layout, as SDPA's output: transformers' transpose back is free
-    q = torch.randn(1, 4, 256, 32, generator=gen)[..., ::2]  # rows of head dim 16 that are not contiguous
-    assert max_diff(focus_attention(q, k, v, c, cfg, kernel="flash"), reference_attention(q, k, v, c, cfg)) <= 1e-4
+    for q in (torch.randn(1, 4, 256, 32, generator=gen)[..., ::2],  # rows of head dim 16 that are not contiguous
+              torch.randn(16, 256, 4, 1, generator=gen).permute(3, 2, 1, 0)):  # dense, but head dim outermost
+        assert max_diff(focus_attention(q, k, v, c, cfg, kernel="flash"), reference_attention(q, k, v, c, cfg)) <= 1e-4
 
 
 DECODE_CASES = [
