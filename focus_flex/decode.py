@@ -1,11 +1,12 @@
 """Decode on a KV cache in O(selected keys): per-group key lists that grow with the cache.
 
-A :class:`KeyIndex` holds the key routing of one layer's KV cache: the group bitmask of every key and, per
-(batch row, KV head, group), the positions of that group's keys in increasing order. Appending a token costs O(1)
-(amortised: buffers grow geometrically, nothing is re-concatenated). :func:`indexed_attention` then attends a few
-new queries to their sinks and window (contiguous slices) plus the far keys of their groups (slices of those
-lists), so the work per step is proportional to the selected keys, not to the cache length. Exact: the same result
-as :func:`focus_flex.attention.reference_attention` when no key is padding.
+A :class:`KeyIndex` holds the key routing of one layer's KV cache: per (batch row, KV head, group), the positions
+of that group's keys in increasing order, each list a segment of one flat pool with room to grow. Appending a token
+costs O(1) (amortised: the pool is rebuilt with an eighth more room per group when a list fills up, nothing is
+re-concatenated per step). :func:`indexed_attention` then attends a few new queries to their sinks and window
+(contiguous slices) plus the far keys of their groups (slices of those lists), so the work per step is proportional
+to the selected keys, not to the cache length. Exact: the same result as
+:func:`focus_flex.attention.reference_attention` when no key is padding.
 """
 
 from __future__ import annotations
@@ -23,21 +24,9 @@ from focus_flex import native, routing
 from focus_flex.config import FocusConfig
 from focus_flex.threads import using
 
-_END = np.iinfo(np.int32).max  # fills unused list slots, so every list row stays sorted
+_END = np.iinfo(np.int32).max  # fills unused pool slots
 APPEND_CHUNK = 4096  # keys routed into the lists at a time
-
-
-def _grow(buffer: np.ndarray, needed: int, fill: int) -> np.ndarray:
-    """``buffer`` ``[..., C]`` with room for at least ``needed`` entries on the last dim (new slots = ``fill``).
-
-    Grows geometrically (by an eighth, plus a little), so appending one entry at a time costs O(1) amortised.
-    """
-    capacity = buffer.shape[-1]
-    if needed <= capacity:
-        return buffer
-    grown = np.full(buffer.shape[:-1] + (needed + needed // 8 + 64,), fill, buffer.dtype)
-    grown[..., :capacity] = buffer
-    return grown
+SLACK = 64  # free slots every list gets on top of an eighth of its size when the pool is rebuilt
 
 
 def _to(positions: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -46,36 +35,44 @@ def _to(positions: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 class KeyIndex:
-    """Key routing of a growing KV cache: group bitmasks ``[B, Hkv, L]`` and per-group position lists.
+    """Key routing of a growing KV cache: per-group position lists of its ``[B, Hkv, L]`` keys.
 
     It lives on the host, in NumPy arrays: a decode step reads and writes it element by element, which costs ~0.1 us
     in NumPy and ~5 us as a tensor op; on an accelerator a step copies over only its gather positions (a few KB).
-    ``lists[b, h, g, :counts[b, h, g]]`` (int32) are the positions (ascending) of the keys of (b, h) in group g;
-    later slots hold a large sentinel. Positions are cache indices, so the fast path (:func:`indexed_attention`)
-    assumes no padding; the bitmasks (:attr:`member`) serve any path.
+    The list of (b, h, g) is ``pool[starts[b, h, g]:][:counts[b, h, g]]`` (int32 positions, ascending; see
+    :meth:`keys`), with room for ``capacity[b, h, g]`` entries: 4 bytes per key and group it is in, plus an eighth.
+    Positions are cache indices, so the fast path (:func:`indexed_attention`) assumes no padding; the group bitmasks
+    (:attr:`member`, derived from the lists) serve any path.
     """
 
     def __init__(self, batch: int, heads: int, num_groups: int, device: torch.device | str):
         self.num_groups, self.device = num_groups, torch.device(device)
-        self.length = 0
-        self._member = np.zeros((batch, heads, 0), np.int32 if num_groups <= 31 else np.int64)  # bit 31: the sign
-        self.lists = np.full((batch, heads, num_groups, 0), _END, dtype=np.int32)
-        self.counts = np.zeros((batch, heads, num_groups), dtype=np.int64)  # list sizes
+        self.batch, self.heads, self.length = batch, heads, 0
+        self.pool = np.full(0, _END, dtype=np.int32)
+        self.starts, self.capacity, self.counts = (np.zeros((batch, heads, num_groups), np.int64) for _ in range(3))
 
     @property
     def shape(self) -> tuple[int, int, int]:
         """``(B, Hkv, length)``: the keys routed so far."""
-        return self._member.shape[:2] + (self.length,)
+        return self.batch, self.heads, self.length
+
+    def keys(self, i: int, h: int, g: int) -> np.ndarray:
+        """The positions of the keys of (batch row i, KV head h) in group g, ascending (a view)."""
+        start = self.starts[i, h, g]
+        return self.pool[start:start + self.counts[i, h, g]]
 
     @property
     def member(self) -> torch.Tensor:
-        """Group bitmasks of the keys so far, ``[B, Hkv, length]`` on the cache's device (int32 up to 31 groups,
-        else int64; on CPU a view of the index's memory)."""
-        return _to(self._member[:, :, :self.length], self.device)
+        """Group bitmasks of the keys so far, ``[B, Hkv, length]`` on the cache's device (int32 up to 31 groups, else
+        int64), built from the lists: O(length x key top-k), for the paths that are O(length) anyway."""
+        member = np.zeros(self.shape, np.int32 if self.num_groups <= 31 else np.int64)
+        for i, h, g in np.ndindex(self.counts.shape):
+            member[i, h, self.keys(i, h, g)] |= member.dtype.type(1) << g
+        return _to(member, self.device)
 
     def far(self, i: int, h: int, g: int, lo: int, hi: int) -> np.ndarray:
         """The positions in ``[lo, hi)`` of the keys of (batch row i, KV head h) in group g, ascending (a view)."""
-        keys = self.lists[i, h, g, :self.counts[i, h, g]]
+        keys = self.keys(i, h, g)
         return keys[keys.searchsorted(lo):keys.searchsorted(hi)]
 
     def extend(self, keys: torch.Tensor, centroids: torch.Tensor, config: FocusConfig) -> None:
@@ -87,29 +84,40 @@ class KeyIndex:
         for chunk in keys.split(APPEND_CHUNK, dim=2) if keys.shape[2] > APPEND_CHUNK else (keys,):
             self.append(routing.hard_groups(chunk, centroids, config.key_top_k))
 
+    def _fit(self, counts: np.ndarray) -> None:
+        """Make room for lists of ``counts`` entries: where one does not fit, rebuild the pool with every list
+        given its size plus an eighth plus :data:`SLACK` (so rebuilds come geometrically rarer as the cache grows)."""
+        if (counts <= self.capacity).all():
+            return
+        capacity = counts + counts // 8 + SLACK
+        starts = np.cumsum(capacity, axis=None).reshape(capacity.shape) - capacity
+        pool = np.full(int(capacity.sum()), _END, dtype=np.int32)
+        for at in np.ndindex(counts.shape):
+            pool[starts[at]:starts[at] + self.counts[at]] = self.keys(*at)
+        self.pool, self.starts, self.capacity = pool, starts, capacity
+
     def append(self, groups: torch.Tensor) -> None:
         """Add the keys that follow the current ones, given their groups ``[B, Hkv, L, k]``."""
         n = groups.shape[2]
-        self._member = _grow(self._member, self.length + n, 0)
         if n == 1:  # a decode step: a few scalar writes (vectorising one key costs more in op overhead)
             for i, heads in enumerate(groups[:, :, 0].tolist()):
                 for h, chosen in enumerate(heads):
-                    self._member[i, h, self.length] = sum(1 << g for g in chosen)
                     for g in chosen:
                         c = self.counts[i, h, g]
-                        self.lists = _grow(self.lists, c + 1, _END)
-                        self.lists[i, h, g, c] = self.length
+                        if c == self.capacity[i, h, g]:
+                            counts = self.counts.copy()
+                            counts[i, h, g] += 1
+                            self._fit(counts)
+                        self.pool[self.starts[i, h, g] + c] = self.length
                         self.counts[i, h, g] = c + 1
             self.length += 1
             return
-        member = routing.membership(groups)
-        self._member[:, :, self.length:self.length + n] = member.cpu().numpy()
-        bits = routing.member_bits(member, self.num_groups).cpu().numpy()  # [B, Hkv, L, G]
+        bits = routing.member_bits(routing.membership(groups), self.num_groups).cpu().numpy()  # [B, Hkv, L, G]
         slot = bits.cumsum(2) + self.counts[:, :, None, :] - 1  # list slot of each key in each of its groups
-        self.counts = self.counts + bits.sum(2)
-        self.lists = _grow(self.lists, int(self.counts.max()), _END)
+        self._fit(self.counts + bits.sum(2))
         b, h, i, g = bits.nonzero()
-        self.lists[b, h, g, slot[b, h, i, g]] = self.length + i
+        self.pool[self.starts[b, h, g] + slot[b, h, i, g]] = self.length + i
+        self.counts = self.counts + bits.sum(2)
         self.length += n
 
 
@@ -172,7 +180,7 @@ def _one_group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cent
     hkv, rep, dev = k.shape[1], hq // k.shape[1], q.device
     s, groups = config.sink_tokens, routing.hard_groups(q, centroids, 1)
     if native.applies(k, v) and native.library() is not None:  # the same step, fused in C (it knows the local keys)
-        out = native.decode_step(q.reshape(b * hq, d), groups.reshape(-1), scale, k, v, index.lists, index.counts, s,
+        out = native.decode_step(q.reshape(b * hq, d), groups.reshape(-1), scale, k, v, index, s,
                                  _far_end(k.shape[2], 1, config), threads)
         return out.reshape(b, hq, 1, d).to(q.dtype)
     local, end = _local(k.shape[2], 1, config)
@@ -199,6 +207,25 @@ def _one_group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cent
     with using(threads):
         out = F.embedding_bag(_to(v_pos, dev), vf, _to(rows[:-1], dev), mode="sum", per_sample_weights=p.to(v.dtype))
     return out.reshape(b, hq, 1, d).to(q.dtype)
+
+
+def _candidate_member(index: KeyIndex, i: int, h: int, groups: list[int], far: list[np.ndarray], sinks: int,
+                      end: int, overlap: bool) -> np.ndarray:
+    """Group bitmasks (int64, only the bits of ``groups``) of the candidates of (batch row i, KV head h): the local
+    keys (the first ``sinks`` positions, then ``[end, length)``), then the far lists ``far`` of ``groups``, in that
+    order. Read off the lists: O(candidates), where the whole cache's :attr:`KeyIndex.member` would be O(length).
+    ``overlap``: keys sit in several groups, so a far key may be in several of these lists."""
+    local = np.zeros(sinks + index.length - end, np.int64)
+    for g in groups:
+        local[index.far(i, h, g, 0, sinks)] |= 1 << g
+        local[index.far(i, h, g, end, index.length) - end + sinks] |= 1 << g
+    seg = np.repeat(np.array([1 << g for g in groups], np.int64), [len(x) for x in far])
+    if overlap and len(groups) > 1:
+        keys, which = np.unique(np.concatenate(far), return_inverse=True)
+        bits = np.zeros(len(keys), np.int64)
+        np.bitwise_or.at(bits, which, seg)
+        seg = bits[which]
+    return np.concatenate((local, seg))
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, ok: torch.Tensor,
@@ -239,13 +266,13 @@ def indexed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroi
     qr = q.reshape(b, hkv, rows, d).float() * scale
     out = qr.new_empty(b, hkv, rows, d)
     nl = local.shape[0]
-    q_member, member = q_member[..., None], index.member  # [B, Hkv, rows, 1], [B, Hkv, Lk]
+    q_member = q_member[..., None]  # [B, Hkv, rows, 1]
     for i in range(b):
         for h in range(hkv):
             groups = [g for g in range(index.num_groups) if unions[i][h] >> g & 1]
             far = [index.far(i, h, g, s, end) for g in groups]
             pos = _to(np.concatenate([local_np, *far]), dev)
-            k_member = member[i, h].index_select(0, pos)
+            k_member = _to(_candidate_member(index, i, h, groups, far, min(s, lk), end, config.key_top_k > 1), dev)
             ok = (k_member & q_member[i, h]) != 0  # same group: all a far key needs
             ok[:, :nl] = (ok[:, :nl] | near) & causal
             if config.key_top_k > 1 and len(groups) > 1:  # a far key in several listed groups: keep its lowest

@@ -19,17 +19,21 @@ import subprocess
 import tempfile
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from focus_flex.config import cache_dir
 
+if TYPE_CHECKING:
+    from focus_flex.decode import KeyIndex
+
 SOURCE = Path(__file__).with_name("csrc") / "decode_step.c"
 FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC")
 DTYPES = (torch.float32, torch.bfloat16)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-_ARGS = (_I, _I, _I, _P, _P, ctypes.c_float, _P, _P, _I, _P, _P, _I, ctypes.c_int, _P, _P, _I, _I, _I, _I, _I,
+_ARGS = (_I, _I, _I, _P, _P, ctypes.c_float, _P, _P, _I, _P, _P, _I, ctypes.c_int, _P, _P, _P, _I, _I, _I, _I,
          ctypes.c_int, _P)
 
 
@@ -92,25 +96,28 @@ def applies(k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def decode_step(q: torch.Tensor, groups: torch.Tensor, scale: float, k: torch.Tensor, v: torch.Tensor,
-                lists: np.ndarray, counts: np.ndarray, sinks: int, end: int, threads: int) -> torch.Tensor:
+                index: KeyIndex, sinks: int, end: int, threads: int) -> torch.Tensor:
     """One query row per (batch row, query head) against its sinks, window ``[end, Lk)`` and far group keys.
 
     q ``[B * Hq, D]`` (computed in float32), groups ``[B * Hq]`` (each row's one group), k/v ``[B, Hkv, Lk, D]``
-    (:func:`applies`), ``lists``/``counts`` of the :class:`~focus_flex.decode.KeyIndex` of exactly these keys.
+    (:func:`applies`), ``index`` the :class:`~focus_flex.decode.KeyIndex` of exactly these keys.
     Returns float32 ``[B * Hq, D]``.
     """
     lib = library()
     b, hkv, lk, d = k.shape
+    if index.shape != (b, hkv, lk):
+        raise ValueError(f"the key index routes keys [B, Hkv, Lk] = {index.shape}, but k is {(b, hkv, lk)}")
     rows = q.shape[0]
     q, groups = q.float().contiguous(), groups.long().contiguous()  # (no copies for the inputs decode passes)
-    lists, counts = np.ascontiguousarray(lists, np.int32), np.ascontiguousarray(counts, np.int64)
+    pool, starts, counts = (np.ascontiguousarray(x, t) for x, t in ((index.pool, np.int32), (index.starts, np.int64),
+                                                                     (index.counts, np.int64)))
     k_at, v_at = (np.array([i * x.stride(0) + h * x.stride(1) for i in range(b) for h in range(hkv)], np.int64)
                   for x in (k, v))  # offset of position 0 of each (batch row, KV head)
     out = q.new_empty(rows, d)
     code = lib.focus_decode_step(
         rows, d, rows // (b * hkv), q.data_ptr(), groups.data_ptr(), scale, k.data_ptr(), k_at.ctypes.data, k.stride(2),
-        v.data_ptr(), v_at.ctypes.data, v.stride(2), k.dtype == torch.bfloat16, lists.ctypes.data, counts.ctypes.data,
-        lists.shape[2], lists.shape[3], sinks, end, lk, max(1, threads), out.data_ptr())
+        v.data_ptr(), v_at.ctypes.data, v.stride(2), k.dtype == torch.bfloat16, pool.ctypes.data, starts.ctypes.data,
+        counts.ctypes.data, index.num_groups, sinks, end, lk, max(1, threads), out.data_ptr())
     if code:
         raise (MemoryError if code == 1 else ValueError)(f"the C decode step failed (code {code}): "
                                                          f"{'out of memory' if code == 1 else 'bad arguments'}")

@@ -33,7 +33,7 @@ def test_c_step_equals_pytorch_step_and_reference(parts, dtype, monkeypatch):
     assert len(set(groups[0, :8].flatten().tolist())) < 8  # some rows of a KV head share a group
     end = _far_end(k.shape[2], 1, cfg)
     rows = q.reshape(32, 32).float()
-    out = native.decode_step(rows, groups.reshape(-1), 32 ** -0.5, k, v, index.lists, index.counts, 4, end, parts)
+    out = native.decode_step(rows, groups.reshape(-1), 32 ** -0.5, k, v, index, 4, end, parts)
     ref = reference_attention(q.float(), k.float(), v.float(), c, cfg).reshape(32, 32)
     monkeypatch.setattr(native, "library", lambda: None)
     torch_step = _one_group_attention(q, k, v, c, cfg, index, 32 ** -0.5, 2).reshape(32, 32).float()
@@ -47,7 +47,7 @@ def test_c_step_rejects_bad_arguments():
     q, k, v, c, index = setup(1, 4, 2, 50, 3, cfg)
     groups = torch.tensor([0, 1, 2, 3])  # group 3 of 3
     with pytest.raises(ValueError, match="bad arguments"):
-        native.decode_step(q.reshape(4, 32), groups, 1.0, k, v, index.lists, index.counts, 2, 40, 1)
+        native.decode_step(q.reshape(4, 32), groups, 1.0, k, v, index, 2, 40, 1)
 
 
 def test_build_is_reused_and_failures_say_why(tmp_path):

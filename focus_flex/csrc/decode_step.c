@@ -26,9 +26,9 @@ typedef struct {
     const int64_t *k_at, *v_at;       /* [rows / rep]: offset (elements) of position 0 of each KV slot */
     int64_t k_step, v_step;           /* elements between consecutive positions */
     int bf16;                         /* keys and values are bfloat16 (else float32) */
-    const int32_t *lists;             /* [rows / rep, G, C] ascending positions of each group's keys */
-    const int64_t *counts;            /* [rows / rep, G] list sizes */
-    int64_t groups_n, capacity;       /* G, C */
+    const int32_t *pool;              /* the lists of ascending positions of each group's keys, one after another */
+    const int64_t *starts, *counts;   /* [rows / rep, G] where each list starts in pool, and its size */
+    int64_t groups_n;                 /* G */
     int64_t sinks, end, lk;           /* sinks, first window position, cache length */
     int parts;
     float *stat_max, *stat_sum, *acc; /* [parts, rows], [parts, rows], [parts, rows, d] */
@@ -122,7 +122,7 @@ static int run_part(const step_t *s, int part) {
             int64_t g = s->groups[r0 + a], m = 0;
             for (int64_t b = a; b < s->rep; b++)
                 if (!done[b] && s->groups[r0 + b] == g) mine[m++] = r0 + b, done[b] = 1;
-            const int32_t *list = s->lists + (j * s->groups_n + g) * s->capacity;
+            const int32_t *list = s->pool + s->starts[j * s->groups_n + g];
             int64_t count = s->counts[j * s->groups_n + g];
             int64_t lo = lower_bound(list, count, s->sinks), hi = lower_bound(list, count, s->end);
             int64_t n = nlocal + hi - lo;
@@ -137,15 +137,15 @@ static int run_part(const step_t *s, int part) {
 
 int focus_decode_step(int64_t rows, int64_t d, int64_t rep, const float *q, const int64_t *groups, float scale,
                       const void *k, const int64_t *k_at, int64_t k_step, const void *v, const int64_t *v_at,
-                      int64_t v_step, int bf16, const int32_t *lists, const int64_t *counts, int64_t groups_n,
-                      int64_t capacity, int64_t sinks, int64_t end, int64_t lk, int parts, float *out) {
+                      int64_t v_step, int bf16, const int32_t *pool, const int64_t *starts, const int64_t *counts,
+                      int64_t groups_n, int64_t sinks, int64_t end, int64_t lk, int parts, float *out) {
     if (rows < 1 || d < 1 || rep < 1 || rep > MAX_REP || rows % rep || parts < 1 || lk < 1) return 2;
     for (int64_t r = 0; r < rows; r++)
         if (groups[r] < 0 || groups[r] >= groups_n) return 2;
     float *stats = malloc(sizeof(float) * parts * rows * (d + 2));
     if (!stats) return 1;
-    step_t s = {rows, d, rep, q, groups, scale, k, v, k_at, v_at, k_step, v_step, bf16, lists, counts, groups_n,
-                capacity, sinks, end, lk, parts, stats, stats + parts * rows, stats + 2 * parts * rows};
+    step_t s = {rows, d, rep, q, groups, scale, k, v, k_at, v_at, k_step, v_step, bf16, pool, starts, counts,
+                groups_n, sinks, end, lk, parts, stats, stats + parts * rows, stats + 2 * parts * rows};
     int failed = 0;
 #pragma omp parallel for num_threads(parts) schedule(static, 1) reduction(| : failed)
     for (int part = 0; part < parts; part++) failed |= run_part(&s, part);
