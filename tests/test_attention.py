@@ -174,6 +174,7 @@ DECODE_CASES = [
     (2, 6, 3, 1, 2, 8, 2, 4),  # top-1 queries, top-2 keys: a key in two lists, each row reads one
     (1, 4, 2, 1, 1, 500, 2, 4),  # top-1, window larger than the cache: no far keys at all
     (1, 2, 1, 1, 1, 8, 2, 40),  # 40 groups: 64-bit group masks
+    (1, 3, 1, 1, 4, 8, 2, 63),  # the published adapter's routing: 63 groups (the top bit), keys in 4
 ]
 
 
