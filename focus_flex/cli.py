@@ -208,6 +208,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
         adapter = FocusAdapter.from_pretrained(args.adapter)
     except (OSError, ValueError) as e:
         raise CliError(f"cannot load adapter {args.adapter!r}: {e}") from e
+    for flag, field in (("--query-top-k", "query_top_k"), ("--key-top-k", "key_top_k")):
+        value = getattr(args, field)
+        if value is not None:
+            if not 1 <= value <= adapter.config.num_groups:
+                raise CliError(f"{flag} {value}: the adapter has {adapter.config.num_groups} groups per KV head; "
+                               f"choose 1 to {adapter.config.num_groups}.")
+            setattr(adapter.config, field, value)
     eval_source, eval_split = _eval_source(args)
     name = args.model or adapter.config.base_model
     model, tokenizer = _load_model(name, args.revision or adapter.config.base_model_revision, args.dtype,
@@ -294,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="evaluate a saved adapter", description="Perplexity / density / balance of "
                        "ADAPTER (folder or Hub id) against full attention and equal-density baselines.")
     e.add_argument("adapter", metavar="ADAPTER")
+    k = e.add_argument_group("routing at inference (the same centroids; more groups per token, more far pairs)")
+    k.add_argument("--query-top-k", type=int, default=None, help="groups each query joins (default: the adapter's)")
+    k.add_argument("--key-top-k", type=int, default=None, help="groups each key joins (default: the adapter's)")
     _add_common(e)
     e.set_defaults(func=cmd_eval)
 

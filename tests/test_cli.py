@@ -70,6 +70,18 @@ def test_retrofit_then_eval(tiny, tmp_path, capsys):
     assert [r["mode"] for r in results["results"]] == ["full", "focus"]
     assert results["results"][1]["density"] < 1
 
+    # The same centroids with keys in 2 of the 4 groups: more far pairs, and the saved copy says so.
+    wider = tmp_path / "eval-k2"
+    assert main(["eval", str(adapter_dir), "--model", str(tiny / "model"), "--eval-data", str(tiny / "eval"),
+                 "--context", "64", "--eval-windows", "1", "--modes", "focus", "--key-top-k", "2",
+                 "--output-dir", str(wider), "--no-progress"]) == 0
+    density = json.loads((wider / RESULTS_JSON).read_text())["results"][0]["density"]
+    assert results["results"][1]["density"] < density < 1
+    assert FocusAdapter.from_pretrained(str(wider)).config.key_top_k == 2
+    assert torch.equal(FocusAdapter.from_pretrained(str(wider)).centroids, adapter.centroids)
+    assert main(["eval", str(adapter_dir), "--key-top-k", "5", "--no-progress"]) == 2
+    assert "--key-top-k 5: the adapter has 4 groups" in capsys.readouterr().err
+
 
 @pytest.mark.parametrize("args,message", [
     (["--model", "MODEL/../nope"], "cannot load model"),
