@@ -42,7 +42,8 @@ class KeyIndex:
     The list of (b, h, g) is ``pool[starts[b, h, g]:][:counts[b, h, g]]`` (int32 positions, ascending; see
     :meth:`keys`), with room for ``capacity[b, h, g]`` entries: 4 bytes per key and group it is in, plus an eighth.
     Positions are cache indices, so the fast path (:func:`indexed_attention`) assumes no padding; the group bitmasks
-    (:attr:`member`, derived from the lists) serve any path.
+    (:attr:`member`: built from the lists when a padded batch first asks for them, then kept up to date) serve any
+    path.
     """
 
     def __init__(self, batch: int, heads: int, num_groups: int, device: torch.device | str):
@@ -50,6 +51,7 @@ class KeyIndex:
         self.batch, self.heads, self.length = batch, heads, 0
         self.pool = np.full(0, _END, dtype=np.int32)
         self.starts, self.capacity, self.counts = (np.zeros((batch, heads, num_groups), np.int64) for _ in range(3))
+        self._member: np.ndarray | None = None  # [B, Hkv, >= length] group bitmasks, once asked for
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -64,11 +66,14 @@ class KeyIndex:
     @property
     def member(self) -> torch.Tensor:
         """Group bitmasks of the keys so far, ``[B, Hkv, length]`` on the cache's device (int32 up to 31 groups, else
-        int64), built from the lists: O(length x key top-k), for the paths that are O(length) anyway."""
-        member = np.zeros(self.shape, np.int32 if self.num_groups <= 31 else np.int64)
-        for i, h, g in np.ndindex(self.counts.shape):
-            member[i, h, self.keys(i, h, g)] |= member.dtype.type(1) << g
-        return _to(member, self.device)
+        int64; on CPU a view of the index's memory). The first call builds them from the lists (O(length x key
+        top-k)); from then on appends keep them up to date (padded batches ask at every step)."""
+        if self._member is None:
+            member = np.zeros(self.shape, np.int32 if self.num_groups <= 31 else np.int64)
+            for i, h, g in np.ndindex(self.counts.shape):
+                member[i, h, self.keys(i, h, g)] |= member.dtype.type(1) << g
+            self._member = member
+        return _to(self._member[:, :, :self.length], self.device)
 
     def far(self, i: int, h: int, g: int, lo: int, hi: int) -> np.ndarray:
         """The positions in ``[lo, hi)`` of the keys of (batch row i, KV head h) in group g, ascending (a view)."""
@@ -99,6 +104,13 @@ class KeyIndex:
     def append(self, groups: torch.Tensor) -> None:
         """Add the keys that follow the current ones, given their groups ``[B, Hkv, L, k]``."""
         n = groups.shape[2]
+        if self._member is not None:
+            needed = self.length + n
+            if needed > self._member.shape[2]:  # grown geometrically, like the pool
+                grown = np.zeros(self.shape[:2] + (needed + needed // 8 + SLACK,), self._member.dtype)
+                grown[:, :, :self.length] = self._member[:, :, :self.length]
+                self._member = grown
+            self._member[:, :, self.length:needed] = routing.membership(groups).cpu().numpy()
         if n == 1:  # a decode step: a few scalar writes (vectorising one key costs more in op overhead)
             for i, heads in enumerate(groups[:, :, 0].tolist()):
                 for h, chosen in enumerate(heads):

@@ -216,15 +216,23 @@ def test_indexed_decode_matches_reference_over_many_steps(case, monkeypatch, dec
                 assert (index.keys(i, h, g_) == keys.numpy()).all()
 
 
+def fresh_copy(index):
+    """The same lists without the bitmasks kept so far."""
+    copy = KeyIndex(*index.shape[:2], index.num_groups, "cpu")
+    copy.__dict__.update({**index.__dict__, "_member": None})
+    return copy
+
+
 def test_key_index_lists_grow_geometrically_in_one_pool():
     """Keys appended one at a time and in chunks, their groups drifting (a group empty at first takes most keys later):
     every list stays exactly its keys in order across pool rebuilds, rebuilds come geometrically rarer, and the pool
-    is the entries in use plus an eighth plus the per-list slack, not padded to the largest list."""
+    is the entries in use plus an eighth plus the per-list slack, not padded to the largest list. Group bitmasks, once
+    asked for, follow every append."""
     from focus_flex import decode
 
     b, h, g, k = 2, 3, 8, 2
     gen = torch.Generator().manual_seed(0)
-    index, truth, rebuilds, n = KeyIndex(b, h, g, "cpu"), {}, 0, 0
+    index, truth, rebuilds, n, asked = KeyIndex(b, h, g, "cpu"), {}, 0, 0, None
     while n < 6000:
         size = 1 if n % 1000 < 900 else 37  # mostly decode steps, some chunks
         weights = torch.ones(g)
@@ -236,15 +244,18 @@ def test_key_index_lists_grow_geometrically_in_one_pool():
         for (i, j, t, x) in itertools.product(range(b), range(h), range(size), range(k)):
             truth.setdefault((i, j, int(groups[i, j, t, x])), []).append(n + t)
         n += size
+        if n >= 3000 and asked is None:
+            asked = index.member  # a padded batch asks: from now on the bitmasks follow every append
         if n % 500 < size:
             assert all((index.keys(*at) == np.array(truth.get(at, []))).all() for at in np.ndindex(b, h, g))
     assert index.shape == (b, h, n) and int(index.counts.sum()) == b * h * n * k
     assert 10 <= rebuilds <= 60, rebuilds  # ~log(n) per list; one per append to a full list would be thousands
     assert index.pool.size <= index.counts.sum() * 9 / 8 + decode.SLACK * b * h * g
-    member = index.member.long()
-    for at, keys in truth.items():
-        assert (member[at[:2]][keys] >> at[2] & 1).all()
-    assert int(member.bitwise_and(member - 1).count_nonzero()) == b * h * n  # every key in exactly two groups
+    expected = torch.zeros(b, h, n, dtype=torch.int64)
+    for (i, j, group), keys in truth.items():
+        expected[i, j, keys] |= 1 << group
+    assert torch.equal(index.member.long(), expected)  # built from the lists at 3,000 keys, then kept up to date
+    assert torch.equal(fresh_copy(index).member.long(), expected)  # built from the lists at the end
 
 
 def test_decode_reads_on_outer_threads_and_restores_them(monkeypatch, decode_path):
