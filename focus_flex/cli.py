@@ -211,10 +211,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     for flag, field in (("--query-top-k", "query_top_k"), ("--key-top-k", "key_top_k")):
         value = getattr(args, field)
         if value is not None:
-            if not 1 <= value <= adapter.config.num_groups:
-                raise CliError(f"{flag} {value}: the adapter has {adapter.config.num_groups} groups per KV head; "
-                               f"choose 1 to {adapter.config.num_groups}.")
             setattr(adapter.config, field, value)
+            try:
+                adapter.config.validate()
+            except ValueError as e:
+                raise CliError(f"{flag} {value}: the adapter has {adapter.config.num_groups} groups per KV head; "
+                               f"choose 1 to {adapter.config.num_groups} ({e}).") from e
     eval_source, eval_split = _eval_source(args)
     name = args.model or adapter.config.base_model
     model, tokenizer = _load_model(name, args.revision or adapter.config.base_model_revision, args.dtype,

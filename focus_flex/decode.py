@@ -26,7 +26,22 @@ from focus_flex.threads import using
 
 _END = np.iinfo(np.int32).max  # fills unused pool slots
 APPEND_CHUNK = 4096  # keys routed into the lists at a time
-SLACK = 64  # free slots every list gets on top of an eighth of its size when the pool is rebuilt
+SLACK = 64  # free slots a buffer gets on top of an eighth of its size when it grows
+
+
+def _room(needed: np.ndarray | int) -> np.ndarray | int:
+    """Slots to allocate for ``needed`` entries: an eighth more plus :data:`SLACK`, so that a buffer grown one
+    entry at a time is reallocated geometrically rarely (O(1) amortised per entry)."""
+    return needed + needed // 8 + SLACK
+
+
+def _grow(buffer: np.ndarray, needed: int) -> np.ndarray:
+    """``buffer`` ``[..., C]`` with room for at least ``needed`` entries on the last dim (new slots zero)."""
+    if needed <= buffer.shape[-1]:
+        return buffer
+    grown = np.zeros(buffer.shape[:-1] + (_room(needed),), buffer.dtype)
+    grown[..., :buffer.shape[-1]] = buffer
+    return grown
 
 
 def _to(positions: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -90,11 +105,11 @@ class KeyIndex:
             self.append(routing.hard_groups(chunk, centroids, config.key_top_k))
 
     def _fit(self, counts: np.ndarray) -> None:
-        """Make room for lists of ``counts`` entries: where one does not fit, rebuild the pool with every list
-        given its size plus an eighth plus :data:`SLACK` (so rebuilds come geometrically rarer as the cache grows)."""
+        """Make room for lists of ``counts`` entries: where one does not fit, rebuild the pool with every list given
+        its :func:`_room` (so rebuilds come geometrically rarer as the cache grows)."""
         if (counts <= self.capacity).all():
             return
-        capacity = counts + counts // 8 + SLACK
+        capacity = _room(counts)
         starts = np.cumsum(capacity, axis=None).reshape(capacity.shape) - capacity
         pool = np.full(int(capacity.sum()), _END, dtype=np.int32)
         for at in np.ndindex(counts.shape):
@@ -104,13 +119,10 @@ class KeyIndex:
     def append(self, groups: torch.Tensor) -> None:
         """Add the keys that follow the current ones, given their groups ``[B, Hkv, L, k]``."""
         n = groups.shape[2]
+        member = routing.membership(groups) if n > 1 or self._member is not None else None  # [B, Hkv, L]
         if self._member is not None:
-            needed = self.length + n
-            if needed > self._member.shape[2]:  # grown geometrically, like the pool
-                grown = np.zeros(self.shape[:2] + (needed + needed // 8 + SLACK,), self._member.dtype)
-                grown[:, :, :self.length] = self._member[:, :, :self.length]
-                self._member = grown
-            self._member[:, :, self.length:needed] = routing.membership(groups).cpu().numpy()
+            self._member = _grow(self._member, self.length + n)
+            self._member[:, :, self.length:self.length + n] = member.cpu().numpy()
         if n == 1:  # a decode step: a few scalar writes (vectorising one key costs more in op overhead)
             for i, heads in enumerate(groups[:, :, 0].tolist()):
                 for h, chosen in enumerate(heads):
@@ -124,12 +136,13 @@ class KeyIndex:
                         self.counts[i, h, g] = c + 1
             self.length += 1
             return
-        bits = routing.member_bits(routing.membership(groups), self.num_groups).cpu().numpy()  # [B, Hkv, L, G]
+        bits = routing.member_bits(member, self.num_groups).cpu().numpy()  # [B, Hkv, L, G]
         slot = bits.cumsum(2) + self.counts[:, :, None, :] - 1  # list slot of each key in each of its groups
-        self._fit(self.counts + bits.sum(2))
+        counts = self.counts + bits.sum(2)
+        self._fit(counts)
         b, h, i, g = bits.nonzero()
         self.pool[self.starts[b, h, g] + slot[b, h, i, g]] = self.length + i
-        self.counts = self.counts + bits.sum(2)
+        self.counts = counts
         self.length += n
 
 
