@@ -530,6 +530,8 @@ def default_kernel(device: torch.device, config: FocusConfig) -> str:
     return "flash" if flash.supported(device, config) else "flex"
 
 
+@torch.compiler.disable(reason="data-dependent plans, host loops, the C decode step: one graph break; the rest of a "
+                                "compiled model stays compiled")
 def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
                     config: FocusConfig, *, attention_mask: torch.Tensor | None = None, scale: float | None = None,
                     key_index: KeyIndex | None = None, kernel: str | None = None) -> torch.Tensor:
