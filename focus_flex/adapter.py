@@ -85,6 +85,12 @@ class FocusAdapter(nn.Module):
         elif tuple(centroids.shape) != shape:
             raise ValueError(f"centroids have shape {tuple(centroids.shape)}, but the config describes {shape} "
                              f"= [layers {config.layers}, kv heads, groups, head dim]")
+        elif not centroids.is_floating_point():
+            raise ValueError(f"centroids have dtype {centroids.dtype}; they must be floating point (focus_flex saves "
+                             "float32): this is not a Focus adapter's tensor, or it was converted wrongly.")
+        elif not bool(torch.isfinite(centroids).all()) or not bool((centroids.norm(dim=-1) > 0).all()):
+            raise ValueError("centroids hold NaN, infinite or all-zero vectors: routing needs a direction per group "
+                             "(did training diverge?); retrain, or load an earlier checkpoint.")
         self.centroids = nn.Parameter(centroids.detach().float().clone())
         self.slot = {layer: i for i, layer in enumerate(config.layers)}
         self._mode = "fast"
@@ -132,13 +138,16 @@ class FocusAdapter(nn.Module):
             problems.append(f"{c.num_kv_heads} KV heads vs the model's {shape.num_kv_heads}")
         if c.head_dim != shape.head_dim:
             problems.append(f"head dim {c.head_dim} vs the model's {shape.head_dim}")
+        if c.model_type is not None and c.model_type != shape.model_type:
+            problems.append(f"trained for a {c.model_type!r} model, this is {shape.model_type!r}")
         bad = sorted(set(c.layers) - set(shape.full_attention_layers))
         if bad and not problems:
             problems.append(f"layers {bad} are not full-attention layers of this model")
         if problems:
             raise ValueError(f"This Focus adapter (base model {c.base_model!r}) does not fit "
                              f"{type(model).__name__} ({getattr(model, 'name_or_path', '') or 'unnamed'}): "
-                             f"{'; '.join(problems)}. Train an adapter for this model with FocusAdapter.for_model.")
+                             f"{'; '.join(problems)}. Train an adapter for this model (`focus-flex retrofit "
+                             "--model ...`, or FocusAdapter.for_model in Python).")
         return shape
 
     # ---- attach / detach ---------------------------------------------------------------------
@@ -157,8 +166,10 @@ class FocusAdapter(nn.Module):
         for module in _attention_modules(model):
             layer = module.layer_idx
             module._focus = (weakref.ref(self), self.slot.get(layer))
-        for m in {model, getattr(model, "base_model", model)}:
-            hooks.append(m.register_forward_pre_hook(self._enter, with_kwargs=True))
+        inner = getattr(model, "base_model", model)  # what the LM head model calls with keyword arguments
+        for m in {model, inner}:
+            hooks.append(m.register_forward_pre_hook(self._enter if m is model else self._enter_inner,
+                                                     with_kwargs=True))
             hooks.append(m.register_forward_hook(self._exit))
         model.set_attn_implementation(IMPLEMENTATION)
         self._attached.append((weakref.ref(model), original, hooks))
@@ -181,6 +192,19 @@ class FocusAdapter(nn.Module):
     def _enter(self, module, args, kwargs):
         cache = kwargs.get("past_key_values")
         self._active_cache = weakref.ref(cache) if cache is not None else None
+
+    def _enter_inner(self, module, args, kwargs):
+        """Padded calls without ``position_ids`` get positions counting real tokens, as ``generate`` passes them:
+        routing reads q and k after the position encoding, so a left-padded row would otherwise route (and attend)
+        differently from the same text unpadded."""
+        self._enter(module, args, kwargs)
+        mask, x = kwargs.get("attention_mask"), kwargs.get("input_ids", args[0] if args else None)
+        x = kwargs.get("inputs_embeds") if x is None else x
+        if (kwargs.get("position_ids") is None and isinstance(mask, torch.Tensor) and mask.dim() == 2 and x is not None
+                and not bool(mask.all())):
+            pos = mask.long().cumsum(-1) - 1
+            kwargs["position_ids"] = pos.masked_fill(mask == 0, 1)[:, -x.shape[1]:]
+        return args, kwargs
 
     def _exit(self, module, args, output):
         self._active_cache = None
@@ -330,6 +354,12 @@ class FocusMask:
 
 
 def _mask_builder(**kwargs) -> FocusMask:
+    q_end, kv_end = kwargs.get("q_offset", 0) + kwargs["q_length"], kwargs.get("kv_offset", 0) + kwargs["kv_length"]
+    if kv_end > q_end:
+        raise ValueError(f"Focus attention got {kv_end} key slots for queries ending at position {q_end}: a "
+                         "pre-allocated cache (cache_implementation='static', or another compileable cache) holds "
+                         "slots for future tokens, which Focus does not support. Use the default dynamic cache "
+                         "(drop cache_implementation).")
     return FocusMask(**kwargs)
 
 

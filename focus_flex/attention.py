@@ -42,6 +42,8 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: t
                          f"the number of query heads must be a multiple of the number of KV heads")
     if lq > lk:
         raise ValueError(f"q has {lq} positions but k only {lk}: queries must be the last Lq of the Lk keys")
+    if min(b, hq, lq, d) == 0:
+        raise ValueError(f"q {tuple(q.shape)} is empty: Focus attention needs at least one query of one head")
     if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
         raise TypeError(f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if centroids.shape != (hkv, config.num_groups, d):

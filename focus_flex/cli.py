@@ -76,12 +76,15 @@ def _windows(docs: list[str], tokenizer: Any, length: int, max_windows: int | No
         raise CliError(f"{role} data: {e}") from e
 
 
-def _eval_source(args: argparse.Namespace) -> tuple[str | None, str]:
-    """Held-out documents: ``--eval-data`` if given, else the evaluation split of ``--data``."""
+def _eval_source(args: argparse.Namespace, training: bool = True) -> tuple[str | None, str]:
+    """Held-out documents: ``--eval-data`` if given, else the evaluation split of ``--data`` (``eval``, which
+    trains nothing: all of a local ``--data``)."""
     from focus_flex.data import _is_path
 
     if args.eval_data is not None:
         return args.eval_data, args.eval_split or "eval"
+    if args.data is not None and _is_path(args.data) and not training:
+        return args.data, "eval"
     if args.data is not None and _is_path(args.data):
         raise CliError(f"--data {args.data!r} is a local path and has no held-out split: pass --eval-data with "
                        f"other files (whole documents never seen in training).")
@@ -89,11 +92,22 @@ def _eval_source(args: argparse.Namespace) -> tuple[str | None, str]:
 
 
 def _device(name: str) -> str:
-    if name != "auto":
-        return name
-    if torch.cuda.is_available():
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-    return "cpu"
+    if name == "auto":
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+    try:
+        torch.empty(0, device=name)
+    except (RuntimeError, AssertionError) as e:  # (a CPU-only torch asserts on "cuda")
+        raise CliError(f"--device {name!r} cannot be used here ({str(e).splitlines()[0]}); choose cpu, auto, or a "
+                       "device this PyTorch build has (e.g. cuda:0).") from e
+    return name
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Flags that must be positive, before any model loads."""
+    for flag in ("context", "eval_windows", "steps", "batch_size", "seq_len"):
+        value = getattr(args, flag, 1)
+        if value < 1:
+            raise CliError(f"--{flag.replace('_', '-')} {value}: must be >= 1")
 
 
 def _slug(name: str) -> str:
@@ -136,6 +150,10 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     rank, world = init_distributed()
     seed_everything(args.seed)
+    _check_numbers(args)
+    if args.seq_len <= args.window + args.sinks:
+        raise CliError(f"--seq-len {args.seq_len} <= --window {args.window} + --sinks {args.sinks}: every pair is "
+                       f"local, so there is nothing for the centroids to learn; use a longer --seq-len.")
     if args.key_top_k >= args.groups:
         raise CliError(f"--key-top-k {args.key_top_k} with --groups {args.groups}: every key would join every group, "
                        f"which is full attention; pass a smaller --key-top-k (e.g. --key-top-k 1)")
@@ -208,6 +226,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         adapter = FocusAdapter.from_pretrained(args.adapter)
     except (OSError, ValueError) as e:
         raise CliError(f"cannot load adapter {args.adapter!r}: {e}") from e
+    _check_numbers(args)
+    if not args.modes:
+        raise CliError(f"--modes needs at least one of {', '.join(MODES)}")
     for flag, field in (("--query-top-k", "query_top_k"), ("--key-top-k", "key_top_k")):
         value = getattr(args, field)
         if value is not None:
@@ -217,7 +238,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             except ValueError as e:
                 raise CliError(f"{flag} {value}: the adapter has {adapter.config.num_groups} groups per KV head; "
                                f"choose 1 to {adapter.config.num_groups} ({e}).") from e
-    eval_source, eval_split = _eval_source(args)
+    eval_source, eval_split = _eval_source(args, training=False)
     name = args.model or adapter.config.base_model
     model, tokenizer = _load_model(name, args.revision or adapter.config.base_model_revision, args.dtype,
                                    _device(args.device))
@@ -240,14 +261,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
 # ---- parser -----------------------------------------------------------------------------------------
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
+def _add_common(p: argparse.ArgumentParser, training: bool) -> None:
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=None, help="Hub id or local folder (default: SmolLM2-135M-Instruct, embedded)")
     g.add_argument("--revision", default=None, help="revision of the base model")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     g.add_argument("--data", default=None,
-                   help="training text: a datasets name, a text file, a folder of *.txt or a glob "
+                   help=("training text" if training else "text to evaluate on (a dataset's evaluation split; all of "
+                         "a local path)") + ": a datasets name, a text file, a folder of *.txt or a glob "
                         "(default: the shipped public-domain books)")
     g.add_argument("--eval-data", default=None,
                    help="held-out text, same forms as --data (default: the evaluation split of --data)")
@@ -270,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train only the centroids of a Focus adapter on a frozen model, evaluate "
                                    "perplexity against full attention and equal-density baselines, and save the "
                                    "adapter with its results, model card and plot into OUTPUT_DIR/adapter.")
-    _add_common(r)
+    _add_common(r, training=True)
     f = r.add_argument_group("Focus")
     d = DEFAULT_FOCUS
     f.add_argument("--groups", type=int, default=d.num_groups, help="centroids (groups) per KV head")
@@ -306,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     k = e.add_argument_group("routing at inference (the same centroids; more groups per token, more far pairs)")
     k.add_argument("--query-top-k", type=int, default=None, help="groups each query joins (default: the adapter's)")
     k.add_argument("--key-top-k", type=int, default=None, help="groups each key joins (default: the adapter's)")
-    _add_common(e)
+    _add_common(e, training=False)
     e.set_defaults(func=cmd_eval)
 
     from focus_flex.bench import add_bench_command

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,22 +59,26 @@ class FocusConfig:
             if not cond:
                 raise ValueError(f"Invalid FocusConfig: {msg}")
 
-        need(isinstance(self.num_groups, int) and 1 <= self.num_groups <= MAX_GROUPS,
+        def is_int(x: Any) -> bool:  # bool is an int subclass, and JSON true/false would pass as 1/0
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        need(is_int(self.num_groups) and 1 <= self.num_groups <= MAX_GROUPS,
              f"num_groups={self.num_groups!r} must be an int in [1, {MAX_GROUPS}]")
         for name in ("query_top_k", "key_top_k"):
             k = getattr(self, name)
-            need(isinstance(k, int) and 1 <= k <= self.num_groups,
+            need(is_int(k) and 1 <= k <= self.num_groups,
                  f"{name}={k!r} must be an int in [1, num_groups={self.num_groups}]")
-        need(isinstance(self.window, int) and self.window >= 1, f"window={self.window!r} must be an int >= 1")
-        need(isinstance(self.sink_tokens, int) and self.sink_tokens >= 0,
+        need(is_int(self.window) and self.window >= 1, f"window={self.window!r} must be an int >= 1")
+        need(is_int(self.sink_tokens) and self.sink_tokens >= 0,
              f"sink_tokens={self.sink_tokens!r} must be an int >= 0")
-        need(isinstance(self.tau, (int, float)) and self.tau > 0, f"tau={self.tau!r} must be > 0")
-        need(isinstance(self.block_size, int) and self.block_size >= 16 and self.block_size % 16 == 0,
+        need(isinstance(self.tau, (int, float)) and not isinstance(self.tau, bool) and 0 < self.tau < math.inf,
+             f"tau={self.tau!r} must be a finite number > 0")
+        need(is_int(self.block_size) and self.block_size >= 16 and self.block_size % 16 == 0,
              f"block_size={self.block_size!r} must be a multiple of 16 (FlexAttention's tile size)")
-        need(isinstance(self.sinkhorn_iters, int) and self.sinkhorn_iters >= 0,
+        need(is_int(self.sinkhorn_iters) and self.sinkhorn_iters >= 0,
              f"sinkhorn_iters={self.sinkhorn_iters!r} must be an int >= 0")
         if self.layers is not None:
-            need(isinstance(self.layers, (list, tuple)) and all(isinstance(i, int) and i >= 0 for i in self.layers),
+            need(isinstance(self.layers, (list, tuple)) and all(is_int(i) and i >= 0 for i in self.layers),
                  f"layers={self.layers!r} must be None or a list of layer indices >= 0")
             self.layers = sorted(set(self.layers))
             if self.num_layers is not None:
@@ -81,7 +86,7 @@ class FocusConfig:
                      f"layers={self.layers} has indices >= num_layers={self.num_layers}")
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             v = getattr(self, name)
-            need(v is None or (isinstance(v, int) and v >= 1), f"{name}={v!r} must be None or an int >= 1")
+            need(v is None or (is_int(v) and v >= 1), f"{name}={v!r} must be None or an int >= 1")
 
     # ---- JSON round trip -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

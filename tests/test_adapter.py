@@ -186,6 +186,8 @@ def test_left_padded_batch_equals_unpadded_sequences(arch):
     padded = model(x, attention_mask=mask, position_ids=pos).logits
     alone = model(x[:1, 11:].expand(2, -1)).logits  # (batch 2: reuses the compiled shapes)
     assert maxdiff(padded[0, 11:], alone[0]) <= 1e-4
+    # Without position_ids the attached model counts real tokens too (routing depends on positions).
+    assert maxdiff(model(x, attention_mask=mask).logits[0, 11:], alone[0]) <= 1e-4
     gen = model.generate(x[:, :45], attention_mask=mask[:, :45], max_new_tokens=12, min_new_tokens=12,
                          do_sample=False)
     gen_alone = model.generate(x[:1, 11:45].expand(2, -1), max_new_tokens=12, min_new_tokens=12, do_sample=False)
@@ -237,6 +239,8 @@ def test_mismatched_adapter_is_refused(tmp_path):
         FocusAdapter.from_pretrained(tmp_path).attach(other)
     with pytest.raises(ValueError, match="KV heads"):
         FocusAdapter.from_pretrained(tmp_path).attach(tiny("gpt2"))
+    with pytest.raises(ValueError, match="trained for a 'llama' model, this is 'qwen2'"):  # same shape, other model
+        FocusAdapter.from_pretrained(tmp_path).attach(tiny("qwen2"))
 
 
 def test_corrupt_and_partial_files_are_refused(tmp_path):
@@ -259,6 +263,16 @@ def test_corrupt_and_partial_files_are_refused(tmp_path):
     save_file({"centroids": torch.zeros(1, 2, 4, 8)}, str(weights))
     with pytest.raises(ValueError, match="model shape|for_model"):
         FocusAdapter.from_pretrained(tmp_path)
+    good = FocusAdapter.for_model(tiny("llama"), CFG)
+    good.save_pretrained(tmp_path)
+    c = good.centroids.detach()
+    for bad, match in (((c * 100).int(), "floating point"), (c.clone().index_fill_(2, torch.tensor([1]), 0.0), "zero"),
+                       (c.clone().index_fill_(0, torch.tensor([0]), float("nan")), "NaN")):
+        save_file({"centroids": bad}, str(weights))
+        with pytest.raises(ValueError, match=match):
+            FocusAdapter.from_pretrained(tmp_path)
+    save_file({"centroids": c.bfloat16()}, str(weights))  # a float copy in another precision loads, as float32
+    assert FocusAdapter.from_pretrained(tmp_path).centroids.dtype == torch.float32
 
 
 def test_unsupported_architecture_names_the_supported_ones():
@@ -279,6 +293,8 @@ def test_unsupported_options_raise_instead_of_being_ignored():
         FocusAdapter.for_model(model, CFG).attach(model)
     with pytest.raises(ValueError, match="mode"):
         adapter.mode = "turbo"
+    with torch.no_grad(), pytest.raises(ValueError, match="static"):  # its key slots run past the current token
+        model.generate(ids(1, 12), max_new_tokens=3, do_sample=False, cache_implementation="static")
     gpt2 = tiny("gpt2").train()
     FocusAdapter.for_model(gpt2, CFG).attach(gpt2)
     with pytest.raises(ValueError, match="dropout"):

@@ -450,6 +450,8 @@ def test_bad_inputs_have_clear_errors():
         focus_attention(q, k, v, c, cfg, attention_mask=torch.zeros(1, 20))
     with pytest.raises(ValueError, match="kernel='triton'"):
         focus_attention(q, k, v, c, cfg, kernel="triton")
+    with pytest.raises(ValueError, match="empty"):
+        focus_attention(q[:, :, :0], k[:, :, :0], v[:, :, :0], c, cfg)
 
 
 def test_config_round_trip_and_validation(tmp_path):
@@ -458,7 +460,10 @@ def test_config_round_trip_and_validation(tmp_path):
     cfg.save_pretrained(tmp_path)
     assert FocusConfig.from_pretrained(tmp_path) == cfg
     for bad in ({"num_groups": 0}, {"num_groups": 64}, {"query_top_k": 5, "num_groups": 4}, {"window": 0},
-                {"tau": 0}, {"block_size": 100}, {"sink_tokens": -1}, {"layers": [-1]}):
+                {"tau": 0}, {"block_size": 100}, {"sink_tokens": -1}, {"layers": [-1]},
+                # JSON true/false and infinities must not pass as 1/0 and as a temperature
+                {"window": True}, {"num_groups": True}, {"sink_tokens": False}, {"layers": [True]},
+                {"tau": float("inf")}, {"tau": float("nan")}, {"tau": True}):
         with pytest.raises(ValueError, match="Invalid FocusConfig"):
             FocusConfig(**bad)
     with pytest.raises(ValueError, match="Unknown FocusConfig fields"):

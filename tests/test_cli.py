@@ -72,7 +72,7 @@ def test_retrofit_then_eval(tiny, tmp_path, capsys):
 
     # The same centroids with keys in 2 of the 4 groups: more far pairs, and the saved copy says so.
     wider = tmp_path / "eval-k2"
-    assert main(["eval", str(adapter_dir), "--model", str(tiny / "model"), "--eval-data", str(tiny / "eval"),
+    assert main(["eval", str(adapter_dir), "--model", str(tiny / "model"), "--data", str(tiny / "eval"),  # all of it
                  "--context", "64", "--eval-windows", "1", "--modes", "focus", "--key-top-k", "2",
                  "--output-dir", str(wider), "--no-progress"]) == 0
     density = json.loads((wider / RESULTS_JSON).read_text())["results"][0]["density"]
@@ -81,6 +81,10 @@ def test_retrofit_then_eval(tiny, tmp_path, capsys):
     assert torch.equal(FocusAdapter.from_pretrained(str(wider)).centroids, adapter.centroids)
     assert main(["eval", str(adapter_dir), "--key-top-k", "5", "--no-progress"]) == 2
     assert "--key-top-k 5: the adapter has 4 groups" in capsys.readouterr().err
+    for flags, message in ((["--modes"], "--modes needs at least one"), (["--eval-windows", "0"], "must be >= 1"),
+                           (["--device", "banana"], "--device 'banana' cannot be used")):
+        assert main(["eval", str(adapter_dir), "--model", "/nonexistent", *flags, "--no-progress"]) == 2
+        assert message in capsys.readouterr().err  # (before the model is looked for)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -91,6 +95,10 @@ def test_retrofit_then_eval(tiny, tmp_path, capsys):
     (["--data", "TINY/train", "--eval-data", "TINY/eval", "--context", "512"], "longer than the 256 tokens"),
     (["--data", "TINY/train", "--eval-data", "TINY/eval", "--context", "4000"], "longer than the 256 tokens"),
     (["--data", "TINY/train", "--eval-data", "TINY/eval", "--key-top-k", "4"], "every key would join every group"),
+    (["--data", "TINY/train", "--eval-data", "TINY/eval", "--seq-len", "10"], "nothing for the centroids to learn"),
+    (["--data", "TINY/train", "--eval-data", "TINY/eval", "--context", "0"], "--context 0: must be >= 1"),
+    (["--data", "TINY/train", "--eval-data", "TINY/eval", "--device", "banana"], "cannot be used here"),
+    (["--data", "TINY/train", "--eval-data", "TINY/eval", "--device", "cuda:7"], "cannot be used here"),
 ])
 def test_retrofit_errors_are_clear(tiny, tmp_path, capsys, args, message):
     args = [a.replace("MODEL", str(tiny / "model")).replace("TINY", str(tiny)) for a in args]
