@@ -103,7 +103,7 @@ with torch.no_grad():
     adapter.attach(model)
     start = time.perf_counter()
     focus_tokens = generate(model, prompt, NEW_TOKENS)
-    print(f"Focus generation, including the one-time compilation: {time.perf_counter() - start:.1f} s")
+    print(f"Focus generation, first call (it may build the C decode step once): {time.perf_counter() - start:.1f} s")
     adapter.detach(model)
 
 same = int((full_tokens == focus_tokens).long().cumprod(0).sum())

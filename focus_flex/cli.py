@@ -116,7 +116,8 @@ def _slug(name: str) -> str:
 
 def _protocol(n_windows: int, context: int, source: str | None, split: str, dtype: str) -> str:
     where = "the shipped held-out books (split `eval`)" if source is None else f"`{source}` (split `{split}`)"
-    return (f"Perplexity over {n_windows} non-overlapping windows of {context} tokens from {where}, evenly spaced, "
+    windows = "1 window" if n_windows == 1 else f"{n_windows} non-overlapping windows"
+    return (f"Perplexity over {windows} of {context} tokens from {where}, evenly spaced, "
             f"each scored from its first token (chunked); {dtype}. Density: fraction of causal query-key pairs "
             f"computed in the Focus layers; balance: largest / mean key group.")
 

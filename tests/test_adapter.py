@@ -18,6 +18,8 @@ from transformers import (
     OPTForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from focus_flex import CONFIG_NAME, WEIGHTS_NAME, FocusAdapter, FocusConfig
@@ -37,6 +39,8 @@ def tiny(arch: str, seed: int = 0):
         model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16))
     elif arch == "gemma3":
         model = Gemma3ForCausalLM(Gemma3TextConfig(**{**common, "num_hidden_layers": 4}, head_dim=16,
                                                    sliding_window=8, layer_types=["sliding_attention",
@@ -56,7 +60,7 @@ def maxdiff(a, b):
     return (a.float() - b.float()).abs().max().item()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral", "qwen2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral", "qwen2", "qwen3", "gemma3"])
 @torch.no_grad()
 def test_forward_equals_dense_reference_mask_and_detach_restores(arch):
     model = tiny(arch)
