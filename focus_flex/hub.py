@@ -13,6 +13,7 @@ into an error that says what is wrong and what to do about it.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -75,6 +76,7 @@ def _hf():
     import huggingface_hub
     import huggingface_hub.constants  # noqa: F401  (submodules: not lazy attributes of the package)
     import huggingface_hub.errors  # noqa: F401
+    import huggingface_hub.utils  # noqa: F401
 
     return huggingface_hub
 
@@ -392,7 +394,7 @@ def _prod(xs) -> int:
     return out
 
 
-REPO_PLACEHOLDER = "<namespace>/<repo>"  # in a card written before the repo id is known; `push` fills it in
+REPO_PLACEHOLDER = "<namespace>/<repo>"  # in a card written before the repo id is known; filled in when pushed
 
 
 def model_card(config_dict: dict[str, Any], *, repo_id: str | None, results: dict[str, Any] | None = None,
@@ -468,9 +470,25 @@ def model_card(config_dict: dict[str, Any], *, repo_id: str | None, results: dic
 
 
 # ---- pushing --------------------------------------------------------------------------------------
+def _transport_errors() -> tuple[type[Exception], ...]:
+    """Network-level errors of the HTTP library huggingface_hub uses (httpx up to 1.x, httpx2 from 2.0)."""
+    found = []
+    for name in ("httpx2", "httpx"):
+        try:
+            found.append(importlib.import_module(name).TransportError)
+        except ImportError:
+            pass
+    return tuple(found)
+
+
 def _translate_push(err: Exception, repo_id: str, revision: str | None) -> Exception | None:
     hf = _hf()
     errors = hf.errors
+    if isinstance(err, _transport_errors()):
+        endpoint = hf.constants.ENDPOINT
+        return HubError(f"Cannot push to {repo_id!r}: the Hub at {endpoint} cannot be reached "
+                        f"({type(err).__name__}: {err}). Check the network connection and HF_ENDPOINT "
+                        "(and HTTPS_PROXY behind a proxy), then push again.")
     if isinstance(err, errors.RevisionNotFoundError):
         return AdapterRevisionNotFoundError(f"Cannot push to revision {revision!r} of {repo_id!r}: it is "
                                             "not a branch. Push to a branch name (created if missing).")
@@ -489,20 +507,44 @@ def _translate_push(err: Exception, repo_id: str, revision: str | None) -> Excep
     return None
 
 
-def push_folder_to_hub(folder: str | os.PathLike, repo_id: str, *, private: bool = False,
-                       token: str | None = None, commit_message: str | None = None,
-                       revision: str | None = None, create_pr: bool = False) -> str:
-    """Upload every file of ``folder`` to ``repo_id`` in one commit; returns the commit URL.
-
-    Creates the repo if needed (``private`` only applies then) and the branch ``revision`` if it does not
-    exist yet (branched from ``main``). Hidden files and folders (``.cache`` etc.) are skipped.
-    """
+def _check_push(repo_id: str, token: str | None, revision: str | None) -> None:
+    """What a push needs before any file is read or request sent: a valid repo id, a branch, a token."""
     hf = _hf()
-    folder = os.fspath(folder)
+    try:
+        hf.utils.validate_repo_id(repo_id)
+    except hf.errors.HFValidationError as e:
+        raise ValueError(f"{repo_id!r} is not a valid Hub repo id: use 'namespace/name' (your user or "
+                         f"organisation, then the repo name; letters, digits, '-', '_' and '.'). ({e})") from e
     if revision is not None and _COMMIT_SHA.match(revision):
         raise ValueError(f"revision={revision!r} is a commit sha: push to a branch (created if missing).")
     if token is False or (token is None and hf.get_token() is None):
         raise HubAuthError(f"Pushing to the Hub needs a write token: {_LOGIN_HINT}.")
+
+
+def _card_bytes(folder: str, repo_id: str, card: str | None) -> bytes | None:
+    """The README.md to upload (``card``, else the folder's own) naming ``repo_id``; None if there is none."""
+    if card is not None:
+        return card.replace(REPO_PLACEHOLDER, repo_id).encode("utf-8")
+    path = os.path.join(folder, "README.md")
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        return f.read().replace(REPO_PLACEHOLDER.encode(), repo_id.encode())
+
+
+def push_folder_to_hub(folder: str | os.PathLike, repo_id: str, *, private: bool = False,
+                       token: str | None = None, commit_message: str | None = None,
+                       revision: str | None = None, create_pr: bool = False, card: str | None = None) -> str:
+    """Upload every file of ``folder`` to ``repo_id`` in one commit; returns the commit URL.
+
+    Creates the repo if needed (``private`` only applies then) and the branch ``revision`` if it does not
+    exist yet (branched from ``main``). Hidden files and folders (``.cache`` etc.) are skipped. ``card`` is
+    uploaded as README.md in place of the folder's own. ``folder`` is never modified: the repo-id placeholder
+    of a card written before the repo was known is filled in in the uploaded copy only.
+    """
+    hf = _hf()
+    _check_push(repo_id, token, revision)
+    folder = os.fspath(folder)
     files = []
     for root, dirs, names in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
@@ -512,12 +554,16 @@ def push_folder_to_hub(folder: str | os.PathLike, repo_id: str, *, private: bool
                 files.append((full, os.path.relpath(full, folder).replace(os.sep, "/")))
     if not files:
         raise FileNotFoundError(f"{folder!r} holds no files to push.")
+    ops = [hf.CommitOperationAdd(path_in_repo=rel, path_or_fileobj=full) for full, rel in files
+           if rel != "README.md"]
+    readme = _card_bytes(folder, repo_id, card)
+    if readme is not None:
+        ops.append(hf.CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=readme))
     api = hf.HfApi()
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, token=token)
         if revision and revision != "main" and not revision.startswith("refs/pr/"):
             api.create_branch(repo_id, branch=revision, exist_ok=True, token=token)
-        ops = [hf.CommitOperationAdd(path_in_repo=rel, path_or_fileobj=full) for full, rel in files]
         info = api.create_commit(repo_id, ops, commit_message=commit_message or "Upload Focus adapter",
                                  revision=revision, create_pr=create_pr, token=token)
     except Exception as err:
@@ -532,9 +578,10 @@ def push_folder_to_hub(folder: str | os.PathLike, repo_id: str, *, private: bool
 def add_hub_commands(subparsers: argparse._SubParsersAction) -> None:
     """Register ``push`` and ``pull`` on argparse sub-parsers; each sets ``func`` (args -> exit code)."""
     p = subparsers.add_parser("push", help="upload a Focus adapter folder to the Hugging Face Hub",
-                              description="Validate DIR (focus_config.json + focus_adapter.safetensors), "
-                                          "write a model card README.md into it if it has none, and upload "
-                                          "the folder to REPO_ID in one commit. Prints the commit URL.")
+                              description="Validate DIR (focus_config.json + focus_adapter.safetensors) "
+                                          "and upload it to REPO_ID in one commit, with a model card "
+                                          "README.md naming REPO_ID (DIR's own card, or a generated one if "
+                                          "it has none). DIR is not modified. Prints the commit URL.")
     p.add_argument("dir", metavar="DIR")
     p.add_argument("repo_id", metavar="REPO_ID")
     p.add_argument("--private", action="store_true", help="create the repo as private (if it does not exist)")
@@ -562,25 +609,18 @@ def _fail(e: Exception) -> int:
 
 def cmd_push(args: argparse.Namespace) -> int:
     try:
+        _check_push(args.repo_id, args.token, args.revision)
         config, table = validate_adapter_folder(args.dir)
-        readme = os.path.join(args.dir, "README.md")
-        if not os.path.isfile(readme):
+        card = None
+        if not os.path.isfile(os.path.join(args.dir, "README.md")):
             card = model_card(config.to_dict(), repo_id=args.repo_id,
                               tensor_shapes={k: v["shape"] for k, v in table.items()})
-            with open(readme, "w", encoding="utf-8") as f:
-                f.write(card)
-            print(f"wrote model card {readme}")
-        else:  # a card written before the repo id was known (e.g. by `focus-flex retrofit`): name the repo
-            with open(readme, encoding="utf-8") as f:
-                card = f.read()
-            if REPO_PLACEHOLDER in card:
-                with open(readme, "w", encoding="utf-8") as f:
-                    f.write(card.replace(REPO_PLACEHOLDER, args.repo_id))
-                print(f"filled in the repo id in {readme}")
         url = push_folder_to_hub(args.dir, args.repo_id, private=args.private, token=args.token,
-                                 commit_message=args.message, revision=args.revision)
+                                 commit_message=args.message, revision=args.revision, card=card)
     except (OSError, ValueError) as e:
         return _fail(e)
+    if card is not None:
+        print(f"uploaded a generated model card as README.md ({args.dir} has none; it was not written there)")
     print(url)
     return 0
 

@@ -6,8 +6,10 @@ The real `huggingface_hub` client does real HTTP to 127.0.0.1: see the `hub_serv
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -295,7 +297,7 @@ def test_env_variables_in_a_fresh_process(hub_server, tmp_path):
     push = run("push", tmp_path / "ad", "alice/proc", "--private")
     assert push.returncode == 0, push.stderr
     sha = commit_sha(push.stdout.strip().splitlines()[-1])
-    assert "wrote model card" in push.stdout and (tmp_path / "ad" / "README.md").is_file()
+    assert "generated model card" in push.stdout and not (tmp_path / "ad" / "README.md").exists()
     assert hub_server.hub.repos["alice/proc"].private
 
     pull = run("pull", "alice/proc")
@@ -313,28 +315,28 @@ def test_env_variables_in_a_fresh_process(hub_server, tmp_path):
 
 
 # ---- CLI ----------------------------------------------------------------------------------------
-def test_cli_push_validates_writes_card_and_pull(hub_server, tmp_path, capsys):
+def test_cli_push_validates_uploads_card_and_pull(hub_server, tmp_path, capsys):
     d = tmp_path / "ad"
     cfg, centroids = make_adapter(d, readme=False)
     assert cli("push", d, "alice/cli-ad", "--token", "hf_alice", "--revision", "exp",
                "--message", "first") == 0
     out = capsys.readouterr().out
+    assert "generated model card" in out
     url = out.strip().splitlines()[-1]
     sha = commit_sha(url)
-    card = (d / "README.md").read_text()
-    assert card.startswith("---\nlibrary_name: focus_flex\n") and "alice/cli-ad" in card
+    assert not (d / "README.md").exists()  # the card is uploaded, not written into the folder
     commit = hub_server.hub.repos["alice/cli-ad"].commits[sha]
-    assert commit.message == "first" and commit.files["README.md"] == card.encode()
-    assert hub_server.hub.repos["alice/cli-ad"].refs["exp"] == sha
+    card = commit.files["README.md"].decode()
+    assert card.startswith("---\nlibrary_name: focus_flex\n") and 'from_pretrained("alice/cli-ad")' in card
+    assert commit.message == "first" and hub_server.hub.repos["alice/cli-ad"].refs["exp"] == sha
 
-    # A card written before the repo id was known (retrofit) gets it filled in when pushed.
+    # A card written before the repo id was known (retrofit) gets it filled in, in the uploaded copy only.
     (d / "README.md").write_text(hub.model_card(cfg.to_dict(), repo_id=None))
     assert cli("push", d, "alice/cli-ad", "--token", "hf_alice", "--revision", "exp") == 0
-    out = capsys.readouterr().out
-    assert "filled in the repo id" in out
-    sha = commit_sha(out.strip().splitlines()[-1])
-    card = (d / "README.md").read_text()
+    sha = commit_sha(capsys.readouterr().out.strip().splitlines()[-1])
+    card = hub_server.hub.repos["alice/cli-ad"].commits[sha].files["README.md"].decode()
     assert hub.REPO_PLACEHOLDER not in card and 'from_pretrained("alice/cli-ad")' in card
+    assert hub.REPO_PLACEHOLDER in (d / "README.md").read_text()
 
     assert cli("pull", "alice/cli-ad", "--revision", "exp", "--local-dir", tmp_path / "copy") == 0
     out = capsys.readouterr().out
@@ -383,6 +385,76 @@ def test_push_needs_a_write_token(hub_server, tmp_path):
     with pytest.raises(ValueError, match="commit sha"):
         hub.push_folder_to_hub(tmp_path / "ad", "alice/ad", token="hf_alice", revision="a" * 40)
     assert "alice/ad" not in hub_server.hub.repos
+
+
+def folder_hashes(folder):
+    """Relative path -> sha256 of every file under ``folder`` (hidden ones too)."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in pathlib.Path(folder).rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("readme", [True, False], ids=["card", "no-card"])
+@pytest.mark.parametrize("args,message", [
+    (["bad repo id!!", "--token", "hf_alice"], "'bad repo id!!' is not a valid Hub repo id: use 'namespace/name'"),
+    (["alice/ad"], "Pushing to the Hub needs a write token"),  # no --token, no HF_TOKEN, no login
+], ids=["bad-repo-id", "no-token"])
+def test_failed_push_leaves_the_folder_untouched(hub_server, tmp_path, capsys, readme, args, message):
+    d = tmp_path / "ad"
+    make_adapter(d, readme=readme)  # a card with the repo-id placeholder, as retrofit writes it, or none
+    before = folder_hashes(d)
+    assert cli("push", d, *args) == 1
+    assert folder_hashes(d) == before
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and "Traceback" not in err
+    assert not hub_server.requests and not hub_server.hub.repos
+    # The Python API checks the same, before anything else.
+    with pytest.raises((ValueError, hub.HubAuthError), match=re.escape(message)):
+        hub.push_folder_to_hub(d, args[0], token=args[2] if len(args) > 2 else None)
+    assert folder_hashes(d) == before and not hub_server.requests
+
+
+def test_one_folder_pushed_to_two_repos(hub_server, tmp_path, capsys):
+    d = tmp_path / "ad"
+    make_adapter(d)
+    local = (d / "README.md").read_bytes()
+    assert hub.REPO_PLACEHOLDER.encode() in local
+    before = folder_hashes(d)
+    assert cli("push", d, "alice/one", "--token", "hf_alice") == 0
+    assert cli("push", d, "bob/two", "--token", "hf_bob") == 0
+    hub.push_folder_to_hub(d, "alice/three", token="hf_alice")
+    capsys.readouterr()
+    for repo in ("alice/one", "bob/two", "alice/three"):
+        with open(huggingface_hub.hf_hub_download(repo, "README.md"), "rb") as f:
+            card = f.read()
+        assert card == local.replace(hub.REPO_PLACEHOLDER.encode(), repo.encode())
+        assert f'FocusAdapter.from_pretrained("{repo}")'.encode() in card
+    assert folder_hashes(d) == before  # the local card keeps its placeholder
+
+    # No card in the folder: each repo gets a generated one naming it, and none is written locally.
+    (d / "README.md").unlink()
+    for repo in ("alice/four", "alice/five"):
+        assert cli("push", d, repo, "--token", "hf_alice") == 0
+        with open(huggingface_hub.hf_hub_download(repo, "README.md"), encoding="utf-8") as f:
+            card = f.read()
+        assert f'FocusAdapter.from_pretrained("{repo}")' in card and hub.REPO_PLACEHOLDER not in card
+    assert not (d / "README.md").exists()
+
+
+def test_push_without_connection_is_a_clear_error(hub_server, tmp_path, capsys, monkeypatch):
+    from focus_flex.cli import main
+
+    d = tmp_path / "ad"
+    make_adapter(d)
+    before = folder_hashes(d)
+    monkeypatch.setattr(time, "sleep", lambda s: None)  # in case the client retries with backoff
+    hub_server.stop()
+    assert main(["push", str(d), "org/tiny", "--token", "hf_alice"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: Cannot push to 'org/tiny': the Hub at " + hub_server.url + " cannot be reached")
+    assert "HF_ENDPOINT" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert folder_hashes(d) == before
+    with pytest.raises(hub.HubError, match="cannot be reached"):
+        hub.push_folder_to_hub(d, "org/tiny", token="hf_alice")
 
 
 # ---- local folders, model card, base model check ------------------------------------------------
