@@ -260,6 +260,11 @@ class FocusAdapter(nn.Module):
         directory = resolve_adapter_dir(str(name_or_path), revision=revision, subfolder=subfolder, token=token,
                                         cache_dir=cache_dir, local_files_only=local_files_only)
         config = FocusConfig.from_pretrained(directory)
+        missing = [n for n in ("layers", "num_layers", "num_kv_heads", "head_dim") if getattr(config, n) is None]
+        if missing:
+            raise ValueError(f"{os.path.join(directory, CONFIG_NAME)} lacks the model shape ({', '.join(missing)}): "
+                             "it is a bare FocusConfig, not an adapter's; save adapters with "
+                             "FocusAdapter.save_pretrained.")
         path = os.path.join(directory, WEIGHTS_NAME)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{directory!r} has {CONFIG_NAME} but no {WEIGHTS_NAME}: partial adapter; "

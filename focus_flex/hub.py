@@ -192,7 +192,7 @@ def _translate(err: Exception, *, repo_id: str, revision: str | None, subfolder:
     if isinstance(err, errors.HFValidationError):
         return AdapterRepoNotFoundError(
             f"{repo_id!r} is neither an existing local directory nor a valid Hub repo id "
-            f"('namespace/name'): check the path. ({err})")
+            f"('namespace/name'): check the path.")
     return None
 
 
@@ -242,7 +242,17 @@ def resolve_adapter_dir(name_or_path: str | os.PathLike, *, revision: str | None
     """
     path = os.fspath(name_or_path)
     if os.path.isdir(path):
-        return _check_local_adapter_dir(os.path.join(path, subfolder) if subfolder else path)
+        if revision is not None:
+            raise ValueError(f"revision={revision!r} applies to Hub repos; {path!r} is a local folder, which has "
+                             "no revisions: drop revision, or pass the repo id.")
+        folder = os.path.join(path, subfolder) if subfolder else path
+        if not os.path.isdir(folder):
+            raise AdapterRepoNotFoundError(f"{folder!r} does not exist: the local folder {path!r} has no "
+                                           f"subfolder {subfolder!r}.")
+        return _check_local_adapter_dir(folder)
+    if os.path.isfile(path):
+        raise AdapterRepoNotFoundError(f"{path!r} is a file; pass the folder that holds {CONFIG_NAME} and "
+                                       f"{WEIGHTS_NAME}.")
     hf = _hf()
     cdir = _cache_dir(cache_dir)
     repo_id = path

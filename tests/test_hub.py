@@ -170,8 +170,16 @@ def test_repo_not_found(hub_server, tmp_path):
     with pytest.raises(hub.AdapterRepoNotFoundError, match="'alice/nothing-here' was not found"):
         hub.resolve_adapter_dir("alice/nothing-here")
     # A path that is not a directory and not a valid repo id either.
-    with pytest.raises(hub.AdapterRepoNotFoundError, match="neither an existing local directory"):
+    with pytest.raises(hub.AdapterRepoNotFoundError, match="neither an existing local directory") as e:
         hub.resolve_adapter_dir(str(tmp_path / "no" / "such" / "folder"))
+    assert "repo_type" not in str(e.value)  # (huggingface_hub's advice for its own API is noise here)
+    (tmp_path / "f.txt").write_text("x")
+    with pytest.raises(hub.AdapterRepoNotFoundError, match="is a file; pass the folder"):
+        hub.resolve_adapter_dir(str(tmp_path / "f.txt"))
+    with pytest.raises(hub.AdapterRepoNotFoundError, match="has no subfolder 'nope'"):
+        hub.resolve_adapter_dir(str(tmp_path), subfolder="nope")
+    with pytest.raises(ValueError, match="local folder, which has no revisions"):
+        hub.resolve_adapter_dir(str(tmp_path), revision="v1")
     assert isinstance(hub.AdapterRepoNotFoundError("x"), OSError)
 
 
