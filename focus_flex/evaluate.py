@@ -257,7 +257,8 @@ def plot_results(results: list[ModeResult], path: str, title: str = "") -> str:
     ax.set_ylabel("perplexity (held-out)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if any(r.mode == "full" for r in results):  # the one labelled line
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
