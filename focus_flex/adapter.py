@@ -75,8 +75,9 @@ class FocusAdapter(nn.Module):
         super().__init__()
         missing = [n for n in ("num_layers", "num_kv_heads", "head_dim") if getattr(config, n) is None]
         if missing or config.layers is None:
-            raise ValueError(f"FocusConfig lacks the model shape ({missing or ['layers']}); build adapters with "
-                             "FocusAdapter.for_model(model, config) or load them with FocusAdapter.from_pretrained.")
+            raise ValueError(f"FocusConfig lacks the model shape ({missing or ['layers']}): a bare config, not an "
+                             "adapter's. Build adapters with FocusAdapter.for_model(model, config); a folder written "
+                             "by FocusAdapter.save_pretrained holds the shape.")
         self.config = config
         shape = (len(config.layers), config.num_kv_heads, config.num_groups, config.head_dim)
         if centroids is None:
@@ -260,11 +261,6 @@ class FocusAdapter(nn.Module):
         directory = resolve_adapter_dir(str(name_or_path), revision=revision, subfolder=subfolder, token=token,
                                         cache_dir=cache_dir, local_files_only=local_files_only)
         config = FocusConfig.from_pretrained(directory)
-        missing = [n for n in ("layers", "num_layers", "num_kv_heads", "head_dim") if getattr(config, n) is None]
-        if missing:
-            raise ValueError(f"{os.path.join(directory, CONFIG_NAME)} lacks the model shape ({', '.join(missing)}): "
-                             "it is a bare FocusConfig, not an adapter's; save adapters with "
-                             "FocusAdapter.save_pretrained.")
         path = os.path.join(directory, WEIGHTS_NAME)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{directory!r} has {CONFIG_NAME} but no {WEIGHTS_NAME}: partial adapter; "
@@ -276,7 +272,10 @@ class FocusAdapter(nn.Module):
                              f"re-download or re-save the adapter.") from e
         if set(tensors) != {"centroids"}:
             raise ValueError(f"{path} holds tensors {sorted(tensors)}; a Focus adapter holds exactly 'centroids'.")
-        return cls(config, tensors["centroids"])
+        try:
+            return cls(config, tensors["centroids"])
+        except ValueError as e:
+            raise ValueError(f"{directory!r}: {e}") from e
 
     def push_to_hub(self, repo_id: str, *, private: bool = False, token: str | None = None,
                     commit_message: str | None = None, revision: str | None = None) -> str:

@@ -103,11 +103,10 @@ def _device(name: str) -> str:
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
-    """Flags that must be positive, before any model loads."""
-    for flag in ("context", "eval_windows", "steps", "batch_size", "seq_len"):
-        value = getattr(args, flag, 1)
-        if value < 1:
-            raise CliError(f"--{flag.replace('_', '-')} {value}: must be >= 1")
+    """The evaluation flags that must be positive, before any model loads (training's: TrainConfig)."""
+    for flag in ("context", "eval_windows"):
+        if getattr(args, flag) < 1:
+            raise CliError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
 
 
 def _slug(name: str) -> str:
@@ -158,12 +157,15 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
     if args.key_top_k >= args.groups:
         raise CliError(f"--key-top-k {args.key_top_k} with --groups {args.groups}: every key would join every group, "
                        f"which is full attention; pass a smaller --key-top-k (e.g. --key-top-k 1)")
-    focus = FocusConfig(num_groups=args.groups, query_top_k=args.query_top_k, key_top_k=args.key_top_k,
-                        window=args.window, sink_tokens=args.sinks, tau=args.tau, layers=args.layers)
-    tc = TrainConfig(objective=args.objective, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                     lr=args.lr, warmup=args.warmup, balance_weight=args.balance_weight,
-                     query_samples=args.query_samples, init=args.init, seed=args.seed, eval_every=args.eval_every,
-                     checkpoint_every=args.checkpoint_every)
+    try:
+        focus = FocusConfig(num_groups=args.groups, query_top_k=args.query_top_k, key_top_k=args.key_top_k,
+                            window=args.window, sink_tokens=args.sinks, tau=args.tau, layers=args.layers)
+        tc = TrainConfig(objective=args.objective, steps=args.steps, batch_size=args.batch_size,
+                         seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, balance_weight=args.balance_weight,
+                         query_samples=args.query_samples, init=args.init, seed=args.seed,
+                         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every)
+    except ValueError as e:
+        raise CliError(f"invalid settings: {e}") from e
     eval_source, eval_split = _eval_source(args)
     model, tokenizer = _load_model(args.model, args.revision, args.dtype, _device(args.device))
     _check_context(model, args.seq_len, "--seq-len")

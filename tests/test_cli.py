@@ -97,6 +97,8 @@ def test_retrofit_then_eval(tiny, tmp_path, capsys):
     (["--data", "TINY/train", "--eval-data", "TINY/eval", "--key-top-k", "4"], "every key would join every group"),
     (["--data", "TINY/train", "--eval-data", "TINY/eval", "--seq-len", "10"], "nothing for the centroids to learn"),
     (["--data", "TINY/train", "--eval-data", "TINY/eval", "--context", "0"], "--context 0: must be >= 1"),
+    (["--data", "TINY/train", "--eval-data", "TINY/eval", "--steps", "0"], "invalid settings: steps=0"),
+    (["--data", "TINY/train", "--eval-data", "TINY/eval", "--tau", "inf"], "invalid settings: Invalid FocusConfig"),
     (["--data", "TINY/train", "--eval-data", "TINY/eval", "--device", "banana"], "cannot be used here"),
     (["--data", "TINY/train", "--eval-data", "TINY/eval", "--device", "cuda:7"], "cannot be used here"),
 ])
@@ -104,7 +106,7 @@ def test_retrofit_errors_are_clear(tiny, tmp_path, capsys, args, message):
     args = [a.replace("MODEL", str(tiny / "model")).replace("TINY", str(tiny)) for a in args]
     if "--model" not in args:
         args += ["--model", str(tiny / "model")]
-    argv = ["retrofit", *TINY, *args, "--steps", "1", "--output-dir", str(tmp_path)]
+    argv = ["retrofit", *TINY, "--steps", "1", "--output-dir", str(tmp_path), *args]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
 
