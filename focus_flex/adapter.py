@@ -95,7 +95,7 @@ class FocusAdapter(nn.Module):
         self.centroids = nn.Parameter(centroids.detach().float().clone())
         self.slot = {layer: i for i, layer in enumerate(config.layers)}
         self._mode = "fast"
-        self._attached: list[tuple[weakref.ref, str, list]] = []
+        self._attached: list[tuple[weakref.ref, list]] = []  # (model, its hooks)
         self._active_cache: weakref.ref | None = None
         self._key_index: dict[int, tuple[weakref.ref, KeyIndex, torch.Tensor]] = {}  # slot -> (cache, index, last key)
 
@@ -162,7 +162,6 @@ class FocusAdapter(nn.Module):
             raise RuntimeError("A Focus adapter is already attached to this model; detach it first.")
         register()
         self.to(next(model.parameters()).device)
-        original = model.config._attn_implementation
         hooks = []
         for module in _attention_modules(model):
             layer = module.layer_idx
@@ -172,19 +171,19 @@ class FocusAdapter(nn.Module):
             hooks.append(m.register_forward_pre_hook(self._enter if m is model else self._enter_inner,
                                                      with_kwargs=True))
             hooks.append(m.register_forward_hook(self._exit))
-        model.set_attn_implementation(IMPLEMENTATION)
-        self._attached.append((weakref.ref(model), original, hooks))
+        _use_focus(model)
+        self._attached.append((weakref.ref(model), hooks))
         return model
 
     def detach(self, model: nn.Module) -> nn.Module:
         """Restore the model's own attention implementation; outputs are bit-identical to before."""
-        for i, (ref, original, hooks) in enumerate(self._attached):
+        for i, (ref, hooks) in enumerate(self._attached):
             if ref() is model:
                 for h in hooks:
                     h.remove()
                 for module in _attention_modules(model):
                     module._focus = None
-                model.set_attn_implementation(original)
+                _stop_focus(model)
                 del self._attached[i]
                 self._key_index.clear()
                 return model
@@ -312,6 +311,28 @@ class FocusAdapter(nn.Module):
 
 
 # ---- transformers plumbing -----------------------------------------------------------------------
+
+
+# The attention implementation is a setting of the model's config, which several models can share (built from one
+# config object): it switches to Focus at the first attach among them and back at the last detach. Layers of a model
+# without Focus state run the model's own attention (see _attention_forward).
+_config_users: dict[int, list] = {}  # id(config) -> [weakref to it, its own implementation, models attached]
+
+
+def _use_focus(model: nn.Module) -> None:
+    entry = _config_users.get(id(model.config))
+    if entry is None or entry[0]() is not model.config:
+        entry = _config_users[id(model.config)] = [weakref.ref(model.config), model.config._attn_implementation, 0]
+    entry[2] += 1
+    model.set_attn_implementation(IMPLEMENTATION)
+
+
+def _stop_focus(model: nn.Module) -> None:
+    entry = _config_users[id(model.config)]
+    entry[2] -= 1
+    if entry[2] == 0:
+        model.set_attn_implementation(entry[1])
+        del _config_users[id(model.config)]
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:

@@ -78,6 +78,27 @@ def test_forward_equals_dense_reference_mask_and_detach_restores(arch):
 
 
 @torch.no_grad()
+def test_models_sharing_one_config_attach_and_detach_independently():
+    """The attention implementation is a config setting: two models built from one config object must not switch
+    each other on or off."""
+    m1 = tiny("llama")
+    m2 = LlamaForCausalLM(m1.config).eval()
+    assert m2.config is m1.config
+    x = ids()
+    plain = [m(x).logits for m in (m1, m2)]
+    a1, a2 = FocusAdapter.for_model(m1, CFG, seed=1), FocusAdapter.for_model(m2, CFG, seed=2)
+    a1.attach(m1)
+    assert torch.equal(m2(x).logits, plain[1])  # m2 has no Focus: its own attention, through the shared setting
+    a2.attach(m2)
+    focus2 = m2(x).logits
+    a1.detach(m1)
+    assert torch.equal(m1(x).logits, plain[0])
+    assert torch.equal(m2(x).logits, focus2) and maxdiff(focus2, plain[1]) > 1e-3  # m2 still runs Focus
+    a2.detach(m2)
+    assert torch.equal(m2(x).logits, plain[1]) and m1.config._attn_implementation == "sdpa"
+
+
+@torch.no_grad()
 def test_gemma3_focus_on_global_layers_only():
     model = tiny("gemma3")
     adapter = FocusAdapter.for_model(model, CFG)
