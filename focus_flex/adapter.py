@@ -235,6 +235,11 @@ class FocusAdapter(nn.Module):
         cent, c = self.centroids[slot], self.config
         if self.mode == "soft":
             return soft_attention(query, key, value, cent, c, attention_mask=padding, scale=scaling)
+        if module.training and torch.is_grad_enabled() and cent.requires_grad:
+            raise ValueError(f"adapter.mode={self.mode!r} routes by hard top-k, which gives the centroids no "
+                             "gradient, and the model is in training mode: set adapter.mode = 'soft' to train them; "
+                             "for inference call model.eval() or use torch.no_grad(); to train something else with "
+                             "Focus on, freeze them (adapter.requires_grad_(False)).")
         if self.mode == "reference":
             return reference_attention(query, key, value, cent.detach(), c, attention_mask=padding, scale=scaling)
         with small_work(query.device) if query.shape[2] <= DECODE_MAX_QUERIES else contextlib.nullcontext():

@@ -318,6 +318,15 @@ def test_unsupported_options_raise_instead_of_being_ignored():
         FocusAdapter.for_model(model, CFG).attach(model)
     with pytest.raises(ValueError, match="mode"):
         adapter.mode = "turbo"
+    model.train()  # hard routing has no gradient: training in fast mode would fail later, on backward, obscurely
+    with torch.enable_grad():
+        with pytest.raises(ValueError, match="set adapter.mode = 'soft' to train them"):
+            model(ids(1, 20), labels=ids(1, 20))
+        adapter.requires_grad_(False)
+        model(ids(1, 20), labels=ids(1, 20)).loss.backward()  # centroids frozen: the rest trains with Focus on
+        adapter.requires_grad_(True)
+    model(ids(1, 20))  # (no_grad: inference in training mode)
+    model.eval()
     with torch.no_grad(), pytest.raises(ValueError, match="static"):  # its key slots run past the current token
         model.generate(ids(1, 12), max_new_tokens=3, do_sample=False, cache_implementation="static")
     gpt2 = tiny("gpt2").train()
