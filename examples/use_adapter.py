@@ -2,10 +2,10 @@
 # %% [markdown]
 # # Using a Focus adapter
 #
-# A Focus adapter is a tiny file of learned centroids (92K parameters for SmolLM2-135M) that turns a
-# frozen pretrained model's attention into **Focus** attention: a sliding window and a few attention
-# sinks nearby, and far away only the tokens in the query's own centroid group. Adapters are shared on
-# the Hugging Face Hub like PEFT adapters.
+# A Focus adapter is a small file of learned centroids (362,880 parameters for the published SmolLM2-135M
+# adapter) that turns a frozen pretrained model's attention into **Focus** attention: a sliding window and a
+# few attention sinks nearby, and far away only the tokens in the query's own centroid group. Adapters are
+# shared on the Hugging Face Hub like PEFT adapters.
 #
 # This notebook loads an adapter, attaches it to its base model, generates text, and compares outputs
 # and speed with and without Focus. CPU is enough. Plain script version: `python examples/use_adapter.py`.
@@ -87,8 +87,9 @@ print(f"prompt: {prompt.shape[1]} tokens, ending with:\n...{tokenizer.decode(pro
 # ## Generate with and without Focus
 #
 # `adapter.attach(model)` switches every attention layer to Focus in place; `adapter.detach(model)`
-# restores the model's own attention exactly. The first Focus call compiles FlexAttention kernels
-# (`torch.compile`, tens of seconds on CPU, once per length bucket); later calls reuse them.
+# restores the model's own attention exactly. On CPU, Focus runs as chunks of PyTorch's own flash-attention
+# kernel and compiles nothing (decoding builds a small C step once, in about a second); on a GPU the first
+# call compiles FlexAttention kernels, once per length bucket.
 
 
 # %%
@@ -146,7 +147,8 @@ print(f"Focus           {focus_ppl:10.2f}   {focus_time:8.3f} s")
 print(f"speed-up: {full_time / focus_time:.2f}x (full attention time / Focus time)")
 print("Note: the speed-up grows with the context length. Focus computes the window and each token's own "
       "group instead of all pairs, so its cost grows roughly linearly where full attention's grows "
-      "quadratically; at a few hundred tokens the two are about even. See the benchmark in README.md.")
+      "quadratically; at a few hundred tokens there is little far attention to skip and Focus is slower. "
+      "See the benchmark in README.md.")
 if CONTEXT_TOKENS <= 2 * cfg.window:
     print(f"(This prompt is only {CONTEXT_TOKENS} tokens, at most twice the {cfg.window}-token window, so almost "
           f"every pair is inside the window anyway: set CONTEXT_TOKENS to a few thousand to see the difference.)")

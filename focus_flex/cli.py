@@ -16,12 +16,13 @@ import shlex
 import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from focus_flex.config import FocusConfig
-from focus_flex.evaluate import MODES, PLOT_PNG, results_markdown, save_results
+from focus_flex.evaluate import MODES, PLOT_PNG, RESULTS_JSON, RESULTS_MD, results_markdown, save_results
 from focus_flex.train import TrainConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,13 +83,41 @@ def _eval_source(args: argparse.Namespace, training: bool = True) -> tuple[str |
     from focus_flex.data import _is_path
 
     if args.eval_data is not None:
-        return args.eval_data, args.eval_split or "eval"
+        return args.eval_data, args.eval_split or ("validation" if not _is_path(args.eval_data) else "eval")
     if args.data is not None and _is_path(args.data) and not training:
         return args.data, "eval"
     if args.data is not None and _is_path(args.data):
         raise CliError(f"--data {args.data!r} is a local path and has no held-out split: pass --eval-data with "
                        f"other files (whole documents never seen in training).")
     return args.data, args.eval_split or ("eval" if args.data is None else "validation")
+
+
+def _check_disjoint(train: str | None, train_split: str, held: str | None, held_split: str) -> None:
+    """Training and evaluation text must not share a document (the protocol splits by whole documents)."""
+    from focus_flex.data import _is_path, _resolve_files, corpus_split
+
+    def files(source: str | None, split: str) -> set[Path] | None:  # None: a dataset name
+        try:
+            if source is None:
+                return {p.resolve() for p in corpus_split(split)}
+            return {p.resolve() for p in _resolve_files(source)} if _is_path(source) else None
+        except (OSError, ValueError):  # reported when the data is read
+            return set()
+
+    a, b = files(train, train_split), files(held, held_split)
+    if a is not None and b is not None and a & b:
+        shared = sorted(a & b)
+        raise CliError(f"the evaluation text shares {len(shared)} file(s) with the training text (e.g. "
+                       f"{shared[0].name}): evaluate on whole documents never seen in training (--eval-data, "
+                       f"--eval-split, --train-split)")
+    if a is None and b is None and train == held and train_split == held_split:
+        raise CliError(f"--data and --eval-data are the same split {train_split!r} of {train!r}: evaluate on "
+                       f"another split (--eval-split) or dataset")
+
+
+def _check_modes(modes: list[str]) -> None:
+    if "window" in modes and "focus" not in modes:
+        raise CliError("--modes window needs focus too (the window is widened to focus's measured density)")
 
 
 def _device(name: str) -> str:
@@ -145,12 +174,16 @@ def _evaluate_and_save(model: Any, adapter: Any, windows: torch.Tensor, args: ar
 
 def cmd_retrofit(args: argparse.Namespace) -> int:
     from focus_flex.adapter import FocusAdapter
-    from focus_flex.train import init_distributed, model_checksum, seed_everything, train
+    from focus_flex.train import init_distributed, latest_checkpoint, model_checksum, seed_everything, train
 
     t_start = time.perf_counter()
     rank, world = init_distributed()
     seed_everything(args.seed)
     _check_numbers(args)
+    _check_modes(args.modes)
+    if args.batch_size % world:
+        raise CliError(f"--batch-size {args.batch_size} is the global batch: it must be a multiple of the {world} "
+                       "processes")
     if args.seq_len <= args.window + args.sinks:
         raise CliError(f"--seq-len {args.seq_len} <= --window {args.window} + --sinks {args.sinks}: every pair is "
                        f"local, so there is nothing for the centroids to learn; use a longer --seq-len.")
@@ -167,6 +200,8 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CliError(f"invalid settings: {e}") from e
     eval_source, eval_split = _eval_source(args)
+    if args.modes:
+        _check_disjoint(args.data, args.train_split, eval_source, eval_split)
     model, tokenizer = _load_model(args.model, args.revision, args.dtype, _device(args.device))
     _check_context(model, args.seq_len, "--seq-len")
     _check_context(model, args.context, "--context")
@@ -188,11 +223,17 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from e
     adapter.config.base_model_revision = args.revision
     out = args.output_dir or os.path.join("runs", f"retrofit-{_slug(adapter.config.base_model or 'model')}")
+    if args.resume is None and latest_checkpoint(out) is not None:
+        raise CliError(f"{out!r} holds checkpoints of an earlier run: pass --resume to continue it, or choose "
+                       "another --output-dir (or delete that one)")
     before = model_checksum(model)
     t_train = time.perf_counter()
-    history = train(model, adapter, train_windows, tc, dev_windows=dev_windows, output_dir=out,
-                    resume=(out if args.resume is True else args.resume) or None, progress=not args.no_progress,
-                    log=print)
+    try:
+        history = train(model, adapter, train_windows, tc, dev_windows=dev_windows, output_dir=out,
+                        resume=(out if args.resume is True else args.resume) or None,
+                        progress=not args.no_progress, log=print)
+    except (OSError, ValueError) as e:
+        raise CliError(str(e)) from e
     train_seconds = time.perf_counter() - t_train
     after = model_checksum(model)
     if before != after:  # cannot happen: nothing but the centroids is ever updated
@@ -209,8 +250,15 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
     if eval_windows is not None:
         protocol = _protocol(len(eval_windows), args.context, eval_source, eval_split, args.dtype)
         _evaluate_and_save(model, adapter, eval_windows, args, directory, protocol, meta, command)
-    else:
+    else:  # no evaluation: no results, and none left from an earlier run in this folder
+        from focus_flex.hub import model_card
+
         adapter.save_pretrained(directory)
+        for name in (RESULTS_JSON, RESULTS_MD, PLOT_PNG):
+            if os.path.exists(os.path.join(directory, name)):
+                os.remove(os.path.join(directory, name))
+        with open(os.path.join(directory, "README.md"), "w", encoding="utf-8") as f:
+            f.write(model_card(adapter.config.to_dict(), repo_id=None, command=command))
     total = time.perf_counter() - t_start
     adapter.config.extra["training"]["total_seconds"] = round(total, 1)
     adapter.config.save_pretrained(directory)
@@ -232,6 +280,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     _check_numbers(args)
     if not args.modes:
         raise CliError(f"--modes needs at least one of {', '.join(MODES)}")
+    _check_modes(args.modes)
     for flag, field in (("--query-top-k", "query_top_k"), ("--key-top-k", "key_top_k")):
         value = getattr(args, field)
         if value is not None:
@@ -252,7 +301,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         adapter.check_compatible(model)
     except ValueError as e:
         raise CliError(str(e)) from e
-    out = args.output_dir or os.path.join("runs", f"eval-{_slug(os.path.abspath(args.adapter))}")
+    where = os.path.abspath(args.adapter) if os.path.isdir(args.adapter) else args.adapter
+    parent, name = os.path.split(where.rstrip("/"))  # retrofit saves every adapter as .../RUN/adapter
+    out = args.output_dir or os.path.join("runs", f"eval-{_slug(parent)}-{_slug(name)}")
     command = "focus-flex " + shlex.join(args.argv)
     protocol = _protocol(len(windows), args.context, eval_source, eval_split, args.dtype)
     _evaluate_and_save(model, adapter, windows, args, out, protocol, {"command": command,

@@ -140,7 +140,7 @@ def _load_files(files: list[Path]) -> list[str]:
         ds = datasets.load_dataset("text", data_files=[str(f) for f in files], sample_by="document", split="train")
     except datasets.exceptions.DatasetGenerationError as e:
         raise ValueError(f"Cannot read the text files: {_first_bad_file(files) or e}") from e
-    docs: list[str] = list(ds["text"])
+    docs: list[str] = [d.removeprefix("\ufeff") for d in ds["text"]]  # a UTF-8 byte-order mark is not text
     if len(docs) != len(files):
         raise ValueError(f"Expected one document per file, got {len(docs)} from {len(files)} files")
     empty = [str(f) for f, doc in zip(files, docs, strict=True) if not doc.strip()]

@@ -85,8 +85,9 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "query_samples"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be an int >= 1")
-        if self.lr <= 0 or self.balance_weight < 0 or self.warmup < 0:
-            raise ValueError("lr must be > 0, balance_weight and warmup >= 0")
+        if not (0 < self.lr < math.inf and 0 <= self.balance_weight < math.inf and self.warmup >= 0):
+            raise ValueError(f"lr={self.lr} must be finite and > 0, balance_weight={self.balance_weight} finite and "
+                             f">= 0, warmup={self.warmup} >= 0")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
@@ -186,6 +187,10 @@ def spherical_kmeans(x: torch.Tensor, k: int, iters: int, generator: torch.Gener
 def kmeans_init(adapter: FocusAdapter, qkv: QKV, seed: int, iters: int = 10) -> None:
     """Set each layer's and KV head's centroids to spherical k-means centres of its keys (needs N >= G keys)."""
     gen = torch.Generator().manual_seed(seed)
+    keys_per_head, g = qkv[adapter.config.layers[0]][1][:, 0].shape[:2], adapter.config.num_groups
+    if keys_per_head[0] * keys_per_head[1] < g:
+        raise ValueError(f"k-means init needs at least as many keys per head as groups ({g}); one training window "
+                         f"has {keys_per_head[0] * keys_per_head[1]}: use a longer --seq-len or --init random")
     for layer, slot in adapter.slot.items():
         k = qkv[layer][1]
         for h in range(k.shape[1]):
@@ -398,6 +403,27 @@ def latest_checkpoint(directory: str) -> str | None:
     return os.path.join(root, names[-1]) if names else None
 
 
+# Settings a resumed run may change: how long it runs and how often it reports.
+_RESUMABLE = {"steps", "eval_every", "checkpoint_every"}
+_ROUTING = ("num_groups", "query_top_k", "key_top_k", "window", "sink_tokens", "tau", "sinkhorn_iters", "layers")
+
+
+def _check_resume(ckpt: str, state: dict[str, Any], saved: FocusConfig, focus: FocusConfig, tc: TrainConfig) -> None:
+    """A checkpoint continues this run only if it was made with the same settings and is not past its end."""
+    was = state.get("train_config", {})
+    diff = [f"{k}: {was.get(k)!r} there, {v!r} now" for k, v in asdict(tc).items()
+            if k not in _RESUMABLE and was.get(k) != v]
+    diff += [f"{k}: {getattr(saved, k)!r} there, {getattr(focus, k)!r} now" for k in _ROUTING
+             if getattr(saved, k) != getattr(focus, k)]
+    if diff:
+        raise ValueError(f"cannot resume from {ckpt!r} with other settings ({'; '.join(diff)}): pass the same "
+                         "flags (only --steps, --eval-every and --checkpoint-every may change), or start a fresh run "
+                         "in another --output-dir")
+    if state["step"] > tc.steps:
+        raise ValueError(f"{ckpt!r} is at step {state['step']}, past --steps {tc.steps}: pass --steps >= "
+                         f"{state['step']}, or start a fresh run in another --output-dir")
+
+
 # ---- the loop ------------------------------------------------------------------------------------
 
 
@@ -415,6 +441,20 @@ def train(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, tc: Tr
         raise ValueError(f"batch_size={tc.batch_size} must be a multiple of the number of processes ({world})")
     if windows.dim() != 2 or windows.shape[0] < 1:
         raise ValueError(f"windows must be a non-empty [N, L] tensor of token ids, got {tuple(windows.shape)}")
+    was_training, trainable = model.training, [p.requires_grad for p in model.parameters()]
+    try:
+        return _train_frozen(model, adapter, windows, tc, dev_windows, output_dir, resume, progress, log)
+    finally:  # the model as it came: training mode and trainable parameters
+        model.train(was_training)
+        for p, flag in zip(model.parameters(), trainable, strict=True):
+            p.requires_grad_(flag)
+
+
+def _train_frozen(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, tc: TrainConfig,
+                  dev_windows: torch.Tensor | None, output_dir: str | None, resume: str | None, progress: bool,
+                  log: Callable[[str], None] | None) -> list[dict[str, Any]]:
+    """:func:`train` with the model in eval mode and frozen."""
+    rank, world = rank_and_world()
     model.eval()
     model.requires_grad_(False)
     seed_everything(tc.seed)
@@ -427,9 +467,14 @@ def train(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, tc: Tr
     if resume and ckpt is None:
         raise FileNotFoundError(f"No checkpoint to resume from in {resume!r}")
     if ckpt:
-        state = torch.load(os.path.join(ckpt, STATE_NAME), map_location=device, weights_only=False)
+        try:
+            state = torch.load(os.path.join(ckpt, STATE_NAME), map_location=device, weights_only=False)
+            saved = FocusAdapter.from_pretrained(ckpt)
+        except (OSError, ValueError, RuntimeError, EOFError) as e:  # (torch.load's errors for a damaged file)
+            raise ValueError(f"cannot resume from {ckpt!r}: {e}") from e
+        _check_resume(ckpt, state, saved.config, adapter.config, tc)
         with torch.no_grad():
-            adapter.centroids.copy_(FocusAdapter.from_pretrained(ckpt).centroids)
+            adapter.centroids.copy_(saved.centroids)
         optimizer.load_state_dict(state["optimizer"])
         start, history = state["step"], state["history"]
     elif tc.init == "kmeans":
@@ -459,6 +504,9 @@ def train(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, tc: Tr
                 totals = torch.tensor([parts[k] for k in sorted(parts)], dtype=torch.float64)
                 dist.all_reduce(totals)
                 parts = dict(zip(sorted(parts), totals.tolist(), strict=True))
+            if not math.isfinite(parts["loss"]):
+                raise ValueError(f"the training loss is {parts['loss']} at step {step + 1}: lower --lr or "
+                                 f"--balance-weight (the last checkpoint, if any, is from before this step)")
             optimizer.step()
             with torch.no_grad():  # routing only sees directions: keep the centroids unit-norm
                 adapter.centroids.copy_(F.normalize(adapter.centroids, dim=-1))

@@ -101,6 +101,11 @@ def test_retrofit_then_eval(tiny, tmp_path, capsys):
     (["--data", "TINY/train", "--eval-data", "TINY/eval", "--tau", "inf"], "invalid settings: Invalid FocusConfig"),
     (["--data", "TINY/train", "--eval-data", "TINY/eval", "--device", "banana"], "cannot be used here"),
     (["--data", "TINY/train", "--eval-data", "TINY/eval", "--device", "cuda:7"], "cannot be used here"),
+    (["--data", "TINY/train", "--eval-data", "TINY/eval", "--modes", "window"], "--modes window needs focus too"),
+    (["--data", "TINY/train", "--eval-data", "TINY/train/book0.txt"], "shares 1 file(s) with the training text"),
+    (["--train-split", "eval"], "shares 2 file(s) with the training text"),  # the shipped held-out books
+    (["--data", "TINY/train", "--eval-data", "TINY/eval", "--balance-weight", "nan"], "invalid settings"),
+    (["--data", "TINY/train", "--eval-data", "TINY/eval", "--groups", "60"], "k-means init needs at least"),
 ])
 def test_retrofit_errors_are_clear(tiny, tmp_path, capsys, args, message):
     args = [a.replace("MODEL", str(tiny / "model")).replace("TINY", str(tiny)) for a in args]
@@ -109,6 +114,48 @@ def test_retrofit_errors_are_clear(tiny, tmp_path, capsys, args, message):
     argv = ["retrofit", *TINY, "--steps", "1", "--output-dir", str(tmp_path), *args]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_retrofit_output_dir_holds_one_run(tiny, tmp_path, capsys):
+    """A fresh run does not mix with an earlier run's checkpoints; --resume continues only the same settings; a
+    run without evaluation leaves no results behind."""
+    out = tmp_path / "run"
+    base = ["retrofit", "--model", str(tiny / "model"), "--data", str(tiny / "train"), "--eval-data",
+            str(tiny / "eval"), *TINY, "--output-dir", str(out), "--checkpoint-every", "1"]
+    assert main([*base, "--steps", "2"]) == 0
+    adapter_dir = out / "adapter"
+    assert (adapter_dir / RESULTS_JSON).is_file()
+    capsys.readouterr()
+    for extra, message in ((["--steps", "3"], "holds checkpoints of an earlier run: pass --resume"),
+                           (["--steps", "3", "--resume", "--seed", "7"], "seed: 0 there, 7 now"),
+                           (["--steps", "1", "--resume"], "at step 2, past --steps 1")):
+        assert main([*base, *extra]) == 2
+        assert message in capsys.readouterr().err
+    assert main([*base, "--steps", "3", "--resume", "--modes"]) == 0  # continued, no evaluation this time
+    assert FocusAdapter.from_pretrained(str(adapter_dir)).config.extra["training"]["steps"] == 3
+    assert not (adapter_dir / RESULTS_JSON).exists() and "## Results" not in (adapter_dir / "README.md").read_text()
+
+
+def test_default_evaluation_sources_and_output_folder(tiny, tmp_path, monkeypatch):
+    from argparse import Namespace
+
+    from focus_flex.cli import _eval_source
+
+    def source(**kw):
+        return _eval_source(Namespace(**{"data": None, "eval_data": None, "eval_split": None, **kw}))
+
+    assert source() == (None, "eval")  # the shipped held-out books
+    assert source(data="user/ds") == ("user/ds", "validation")
+    assert source(eval_data="user/other") == ("user/other", "validation")  # a dataset's usual held-out split
+    assert source(eval_data=str(tiny / "eval")) == (str(tiny / "eval"), "eval")
+    # eval's default output folder names the run, not just `adapter` (every retrofit saves RUN/adapter)
+    run = tmp_path / "retrofit-x"
+    FocusAdapter.for_model(LlamaForCausalLM.from_pretrained(tiny / "model"), DEFAULT_FOCUS).save_pretrained(
+        run / "adapter")
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", str(run / "adapter"), "--model", str(tiny / "model"), "--eval-data", str(tiny / "eval"),
+                 "--context", "64", "--eval-windows", "1", "--modes", "full", "--no-progress"]) == 0
+    assert (tmp_path / "runs" / "eval-retrofit-x-adapter" / RESULTS_JSON).is_file()
 
 
 def test_eval_of_a_missing_adapter(tmp_path, capsys):

@@ -98,6 +98,8 @@ def test_local_files_directories_and_globs(tmp_path):
     assert load_documents(str(tmp_path)) == ["second book\n\nwith lines\n", "first book"]
     assert load_documents(str(tmp_path / "**" / "*.txt")) == ["second book\n\nwith lines\n", "first book"]
     assert load_documents(str(tmp_path / "*.md")) == ["ignored by directory input"]
+    (tmp_path / "bom.md").write_bytes("\ufeffWindows notepad\r\nline two".encode())  # a byte-order mark, CRLF
+    assert load_documents(str(tmp_path / "bom.md")) == ["Windows notepad\nline two"]
 
 
 def test_bad_local_data_raises_clear_errors(tmp_path):

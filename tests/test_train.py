@@ -108,6 +108,21 @@ def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
     assert torch.equal(resumed.centroids, full.centroids)
     assert T.latest_checkpoint(str(tmp_path)).endswith("step-000004")
 
+    # A checkpoint only continues the run it came from: same settings, not past its end.
+    more = TrainConfig(**{**tc.__dict__, "steps": 6, "checkpoint_every": 1})  # (these two may change)
+    for other, focus, message in ((TrainConfig(**{**more.__dict__, "seed": 7}), FOCUS, "seed: 0 there, 7 now"),
+                                  (more, FocusConfig(**{**FOCUS.to_dict(), "window": 9}), "window: 8 there, 9 now"),
+                                  (TrainConfig(**{**more.__dict__, "steps": 3}), FOCUS, "at step 4, past --steps 3")):
+        model = tiny_llama()
+        with pytest.raises(ValueError, match=message):
+            train(model, FocusAdapter.for_model(model, focus), windows(), other, progress=False,
+                  resume=str(tmp_path))
+    state = os.path.join(T.latest_checkpoint(str(tmp_path)), T.STATE_NAME)
+    with open(state, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ValueError, match="cannot resume from"):
+        train(model, FocusAdapter.for_model(model, FOCUS), windows(), more, progress=False, resume=str(tmp_path))
+
 
 def _ddp_worker(rank: int, world: int, init_file: str, out: str, objective: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -191,5 +206,22 @@ def test_config_errors():
         TrainConfig(objective="sgd")
     with pytest.raises(ValueError, match="steps"):
         TrainConfig(steps=0)
+    for bad in ({"lr": float("nan")}, {"lr": float("inf")}, {"balance_weight": float("nan")}):
+        with pytest.raises(ValueError, match="finite"):
+            TrainConfig(**bad)
+    with pytest.raises(ValueError, match="k-means init needs at least as many keys per head as groups"):
+        model = tiny_llama()
+        train(model, FocusAdapter.for_model(model, FocusConfig(num_groups=60, window=8, sink_tokens=2)),
+              windows(length=40), TrainConfig(steps=1, seq_len=40, query_samples=16), progress=False)
+
+
+def test_a_diverging_loss_stops_training_and_the_model_comes_back_as_it_was(monkeypatch):
+    model = tiny_llama().train()
+    real = T.accumulate_gradients
+    monkeypatch.setattr(T, "accumulate_gradients", lambda *a, **k: {**real(*a, **k), "loss": float("nan")})
+    with pytest.raises(ValueError, match="training loss is nan at step 1"):
+        train(model, FocusAdapter.for_model(model, FOCUS), windows(), TrainConfig(steps=2, seq_len=48,
+              query_samples=16), progress=False)
+    assert model.training and all(p.requires_grad for p in model.parameters())  # train() froze it meanwhile
     with pytest.raises(FileNotFoundError, match="resume"):
         run(steps=1, resume=os.devnull + "-missing")
