@@ -143,7 +143,10 @@ def _slug(name: str) -> str:
 
 
 def _protocol(n_windows: int, context: int, source: str | None, split: str, dtype: str) -> str:
-    where = "the shipped held-out books (split `eval`)" if source is None else f"`{source}` (split `{split}`)"
+    from focus_flex.data import _is_path
+
+    where = ("the shipped held-out books (split `eval`)" if source is None else f"`{source}`" if _is_path(source)
+             else f"`{source}` (split `{split}`)")
     windows = "1 window" if n_windows == 1 else f"{n_windows} non-overlapping windows"
     return (f"Perplexity over {windows} of {context} tokens from {where}, evenly spaced, "
             f"each scored from its first token (chunked); {dtype}. Density: fraction of causal query-key pairs "
@@ -163,8 +166,10 @@ def _evaluate_and_save(model: Any, adapter: Any, windows: torch.Tensor, args: ar
         "results_markdown": markdown, "command": command})
     adapter.save_pretrained(directory)
     save_results(directory, results, meta, protocol, title)
+    made = adapter.config.extra.get("trained_with")  # an evaluated copy: how the centroids were made, then this
+    shown = command if made is None else f"{made}\n# then evaluated with:\n{command}"
     with open(os.path.join(directory, "README.md"), "w", encoding="utf-8") as f:
-        f.write(model_card(adapter.config.to_dict(), repo_id=None, results_markdown=markdown, command=command))
+        f.write(model_card(adapter.config.to_dict(), repo_id=None, results_markdown=markdown, command=shown))
     print(markdown)
     return results
 
@@ -305,6 +310,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     parent, name = os.path.split(where.rstrip("/"))  # retrofit saves every adapter as .../RUN/adapter
     out = args.output_dir or os.path.join("runs", f"eval-{_slug(parent)}-{_slug(name)}")
     command = "focus-flex " + shlex.join(args.argv)
+    extra = adapter.config.extra
+    extra.setdefault("trained_with", extra.get("command"))
     protocol = _protocol(len(windows), args.context, eval_source, eval_split, args.dtype)
     _evaluate_and_save(model, adapter, windows, args, out, protocol, {"command": command,
                        "adapter": args.adapter, "focus_config": adapter.config.to_dict()}, command)

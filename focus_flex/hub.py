@@ -350,7 +350,7 @@ def check_base_model(adapter_base: str | None, model_name: str | None) -> None:
     if adapter_base is None or model_name is None:
         return
     a, b = str(adapter_base).rstrip("/"), str(model_name).rstrip("/")
-    if a.lower() == b.lower():
+    if a.lower() == b.lower() or (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)):
         return
     warnings.warn(
         f"This Focus adapter was trained for base model {a!r} but is being attached to {b!r}. Centroids are "

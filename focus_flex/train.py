@@ -497,7 +497,8 @@ def _train_frozen(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor
                 group["lr"] = learning_rate(tc, step)
             optimizer.zero_grad(set_to_none=False)
             positions = list(range(rank, tc.batch_size, world))
-            idx = [batch_indices(len(windows), tc.batch_size, tc.seed, step)[i] for i in positions]
+            batch = batch_indices(len(windows), tc.batch_size, tc.seed, step)
+            idx = [batch[i] for i in positions]
             parts = accumulate_gradients(model, adapter, windows[idx], positions, tc, step)
             if world > 1:
                 dist.all_reduce(adapter.centroids.grad)

@@ -79,6 +79,8 @@ def test_retrofit_then_eval(tiny, tmp_path, capsys):
     assert results["results"][1]["density"] < density < 1
     assert FocusAdapter.from_pretrained(str(wider)).config.key_top_k == 2
     assert torch.equal(FocusAdapter.from_pretrained(str(wider)).centroids, adapter.centroids)
+    card = (wider / "README.md").read_text()  # how the centroids were made, then how this copy was evaluated
+    assert card.index(extra["command"]) < card.index("# then evaluated with:") < card.index("--key-top-k 2")
     assert main(["eval", str(adapter_dir), "--key-top-k", "5", "--no-progress"]) == 2
     assert "--key-top-k 5: the adapter has 4 groups" in capsys.readouterr().err
     for flags, message in ((["--modes"], "--modes needs at least one"), (["--eval-windows", "0"], "must be >= 1"),

@@ -527,12 +527,15 @@ def test_model_card():
     assert "`centroids` [3, 3, 16, 64]" in exact
 
 
-def test_check_base_model():
+def test_check_base_model(tmp_path, monkeypatch):
+    (tmp_path / "model").mkdir()
+    monkeypatch.chdir(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         hub.check_base_model(BASE, BASE.lower() + "/")
         hub.check_base_model(None, BASE)
         hub.check_base_model(BASE, None)
+        hub.check_base_model("model", str(tmp_path / "model"))  # one local folder, relative and absolute
     with pytest.warns(hub.BaseModelMismatchWarning) as rec:
         hub.check_base_model(BASE, "google/gemma-3-270m")
     msg = str(rec[0].message)
