@@ -13,6 +13,7 @@ import ctypes
 import os
 import re
 import shlex
+import shutil
 import sys
 import time
 from dataclasses import asdict
@@ -179,7 +180,14 @@ def _evaluate_and_save(model: Any, adapter: Any, windows: torch.Tensor, args: ar
 
 def cmd_retrofit(args: argparse.Namespace) -> int:
     from focus_flex.adapter import FocusAdapter
-    from focus_flex.train import init_distributed, latest_checkpoint, model_checksum, seed_everything, train
+    from focus_flex.train import (
+        CHECKPOINT_DIR,
+        init_distributed,
+        latest_checkpoint,
+        model_checksum,
+        seed_everything,
+        train,
+    )
 
     t_start = time.perf_counter()
     rank, world = init_distributed()
@@ -229,8 +237,11 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
     adapter.config.base_model_revision = args.revision
     out = args.output_dir or os.path.join("runs", f"retrofit-{_slug(adapter.config.base_model or 'model')}")
     if args.resume is None and latest_checkpoint(out) is not None:
-        raise CliError(f"{out!r} holds checkpoints of an earlier run: pass --resume to continue it, or choose "
-                       "another --output-dir (or delete that one)")
+        if not args.overwrite:
+            raise CliError(f"{out!r} holds checkpoints of an earlier run: pass --resume to continue it, "
+                           "--overwrite to start over in it, or another --output-dir")
+        shutil.rmtree(os.path.join(out, CHECKPOINT_DIR))
+        print(f"--overwrite: removed the earlier run's checkpoints in {out}")
     before = model_checksum(model)
     t_train = time.perf_counter()
     try:
@@ -380,6 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-every", type=int, default=c.checkpoint_every)
     t.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
                    help="resume from the latest checkpoint in OUTPUT_DIR (or from CHECKPOINT)")
+    t.add_argument("--overwrite", action="store_true",
+                   help="start over in an OUTPUT_DIR that holds an earlier run's checkpoints (they are deleted)")
     t.add_argument("--train-split", default="train")
     r.set_defaults(func=cmd_retrofit)
 

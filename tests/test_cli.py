@@ -128,7 +128,8 @@ def test_retrofit_output_dir_holds_one_run(tiny, tmp_path, capsys):
     adapter_dir = out / "adapter"
     assert (adapter_dir / RESULTS_JSON).is_file()
     capsys.readouterr()
-    for extra, message in ((["--steps", "3"], "holds checkpoints of an earlier run: pass --resume"),
+    for extra, message in ((["--steps", "3"], "holds checkpoints of an earlier run: pass --resume to continue it, "
+                                               "--overwrite"),
                            (["--steps", "3", "--resume", "--seed", "7"], "seed: 0 there, 7 now"),
                            (["--steps", "1", "--resume"], "at step 2, past --steps 1")):
         assert main([*base, *extra]) == 2
@@ -136,6 +137,8 @@ def test_retrofit_output_dir_holds_one_run(tiny, tmp_path, capsys):
     assert main([*base, "--steps", "3", "--resume", "--modes"]) == 0  # continued, no evaluation this time
     assert FocusAdapter.from_pretrained(str(adapter_dir)).config.extra["training"]["steps"] == 3
     assert not (adapter_dir / RESULTS_JSON).exists() and "## Results" not in (adapter_dir / "README.md").read_text()
+    assert main([*base, "--steps", "1", "--modes", "--overwrite"]) == 0  # starts over: only its own checkpoint
+    assert sorted(os.listdir(out / "checkpoints")) == ["step-000001"]
 
 
 def test_default_evaluation_sources_and_output_folder(tiny, tmp_path, monkeypatch):
