@@ -240,7 +240,7 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
         if not args.overwrite:
             raise CliError(f"{out!r} holds checkpoints of an earlier run: pass --resume to continue it, "
                            "--overwrite to start over in it, or another --output-dir")
-        shutil.rmtree(os.path.join(out, CHECKPOINT_DIR))
+        shutil.rmtree(os.path.join(out, CHECKPOINT_DIR), ignore_errors=True)  # (every rank tries: no race)
         print(f"--overwrite: removed the earlier run's checkpoints in {out}")
     before = model_checksum(model)
     t_train = time.perf_counter()
