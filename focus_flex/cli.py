@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from focus_flex.config import FocusConfig
-from focus_flex.evaluate import MODES, PLOT_PNG, RESULTS_JSON, RESULTS_MD, results_markdown, save_results
+from focus_flex.evaluate import MODES, PLOT_PNG, RESULTS_JSON, RESULTS_MD, check_modes, results_markdown, save_results
 from focus_flex.train import TrainConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -117,8 +117,11 @@ def _check_disjoint(train: str | None, train_split: str, held: str | None, held_
 
 
 def _check_modes(modes: list[str]) -> None:
-    if "window" in modes and "focus" not in modes:
-        raise CliError("--modes window needs focus too (the window is widened to focus's measured density)")
+    """evaluate's rule, before any model loads."""
+    try:
+        check_modes(modes)
+    except ValueError as e:
+        raise CliError(f"--modes {e}") from e
 
 
 def _device(name: str) -> str:
@@ -182,6 +185,7 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
     from focus_flex.adapter import FocusAdapter
     from focus_flex.train import (
         CHECKPOINT_DIR,
+        check_batch,
         init_distributed,
         latest_checkpoint,
         model_checksum,
@@ -194,9 +198,6 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
     seed_everything(args.seed)
     _check_numbers(args)
     _check_modes(args.modes)
-    if args.batch_size % world:
-        raise CliError(f"--batch-size {args.batch_size} is the global batch: it must be a multiple of the {world} "
-                       "processes")
     if args.seq_len <= args.window + args.sinks:
         raise CliError(f"--seq-len {args.seq_len} <= --window {args.window} + --sinks {args.sinks}: every pair is "
                        f"local, so there is nothing for the centroids to learn; use a longer --seq-len.")
@@ -210,6 +211,7 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
                          seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, balance_weight=args.balance_weight,
                          query_samples=args.query_samples, init=args.init, seed=args.seed,
                          eval_every=args.eval_every, checkpoint_every=args.checkpoint_every)
+        check_batch(tc.batch_size, world)
     except ValueError as e:
         raise CliError(f"invalid settings: {e}") from e
     eval_source, eval_split = _eval_source(args)

@@ -175,15 +175,22 @@ def window_nll(model: nn.Module, windows: torch.Tensor, *, desc: str = "", progr
     return total, count
 
 
+def check_modes(modes: tuple[str, ...] | list[str]) -> None:
+    """What :func:`evaluate` can run: known modes, and ``window`` only with ``focus``."""
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        raise ValueError(f"{unknown} unknown: choose from {MODES}")
+    if "window" in modes and "focus" not in modes:
+        raise ValueError("window needs focus too (the window is widened to focus's measured density)")
+
+
 def evaluate(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, *, modes: tuple[str, ...] = MODES,
              progress: bool = True) -> list[ModeResult]:
     """Perplexity, density and balance of ``modes`` on ``windows [N, L]`` (module docstring for the protocol).
 
     ``adapter`` must not be attached. ``window`` needs ``focus`` (it matches focus's measured density).
     """
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown or ("window" in modes and "focus" not in modes):
-        raise ValueError(f"modes {modes}: choose from {MODES}; 'window' needs 'focus' (it matches its density)")
+    check_modes(modes)
     cfg, n = adapter.config, windows.shape[1]
     results: dict[str, ModeResult] = {}
 

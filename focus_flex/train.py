@@ -427,6 +427,12 @@ def _check_resume(ckpt: str, state: dict[str, Any], saved: FocusConfig, focus: F
 # ---- the loop ------------------------------------------------------------------------------------
 
 
+def check_batch(batch_size: int, world: int) -> None:
+    """The global batch splits evenly across the ``world`` processes."""
+    if batch_size % world:
+        raise ValueError(f"batch_size={batch_size} must be a multiple of the number of processes ({world})")
+
+
 def train(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, tc: TrainConfig, *,
           dev_windows: torch.Tensor | None = None, output_dir: str | None = None, resume: str | None = None,
           progress: bool = True, log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
@@ -436,9 +442,7 @@ def train(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, tc: Tr
     ``output_dir`` receives checkpoints (rank 0 only); ``resume`` is a checkpoint folder or an output dir
     whose latest checkpoint is loaded (adapter, optimizer, step, history). The adapter must not be attached.
     """
-    rank, world = rank_and_world()
-    if tc.batch_size % world:
-        raise ValueError(f"batch_size={tc.batch_size} must be a multiple of the number of processes ({world})")
+    check_batch(tc.batch_size, rank_and_world()[1])
     if windows.dim() != 2 or windows.shape[0] < 1:
         raise ValueError(f"windows must be a non-empty [N, L] tensor of token ids, got {tuple(windows.shape)}")
     was_training, trainable = model.training, [p.requires_grad for p in model.parameters()]

@@ -89,5 +89,5 @@ def test_evaluate_all_modes_and_reports(tmp_path):
 def test_evaluate_rejects_window_without_focus():
     model = tiny_llama()
     adapter = FocusAdapter.for_model(model, FocusConfig(num_groups=4, window=8))
-    with pytest.raises(ValueError, match="needs 'focus'"):
+    with pytest.raises(ValueError, match="window needs focus too"):
         E.evaluate(model, adapter, torch.zeros(1, 16, dtype=torch.long), modes=("full", "window"))
