@@ -148,7 +148,8 @@ print("held-out routing at the end:", {k: round(v, 4) for k, v in history[-1].ge
 # * `full`: the model's own attention (every pair);
 # * `focus`: the trained adapter, hard routing, the fast path (on CPU: chunks of PyTorch's flash kernel);
 # * `window`: window + sinks only, widened until it computes as many pairs as `focus` (same cost, no groups);
-# * `random`: untrained random centroids with the same settings.
+# * `random`: untrained random centroids with the same groups and top-k, their window widened until they too
+#   compute as many pairs as `focus` (same cost, groups that learned nothing).
 #
 # `density` is the fraction of causal query-key pairs computed; `balance` is the largest group over the
 # mean group size (1.0 = perfectly even). With short evaluation windows (small mode) almost everything is

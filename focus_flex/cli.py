@@ -364,9 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("retrofit", help="train centroids on a frozen model, evaluate, save the adapter",
                        description="Train only the centroids of a Focus adapter on a frozen model, evaluate "
-                                   "perplexity against full attention, a density-matched window and random groups, "
-                                   "and save the adapter with its results, model card and plot into "
-                                   "OUTPUT_DIR/adapter.")
+                                   "perplexity against full attention and window-only and random-groups baselines at "
+                                   "the same density, and save the adapter with its results, model card and plot "
+                                   "into OUTPUT_DIR/adapter.")
     _add_common(r, training=True)
     f = r.add_argument_group("Focus")
     d = DEFAULT_FOCUS
@@ -400,7 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_retrofit)
 
     e = sub.add_parser("eval", help="evaluate a saved adapter", description="Perplexity / density / balance of "
-                       "ADAPTER (folder or Hub id) against full attention, a density-matched window and random groups.")
+                       "ADAPTER (folder or Hub id) against full attention and window-only and random-groups "
+                       "baselines at the same density.")
     e.add_argument("adapter", metavar="ADAPTER")
     k = e.add_argument_group("routing at inference (the same centroids; more groups per token, more far pairs)")
     k.add_argument("--query-top-k", type=int, default=None, help="groups each query joins (default: the adapter's)")

@@ -11,9 +11,10 @@ Protocol (used by ``focus-flex retrofit`` and ``focus-flex eval``):
 * **Modes.** ``full``: the model's own attention. ``focus``: hard top-k routing, the inference path
   (:func:`~focus_flex.attention.focus_attention`, its default kernel). ``soft``: the soft-routing training path
   (dense). ``window``: window + sinks only, the window widened until its density reaches ``focus``'s measured
-  density. ``random``: untrained random centroids with the same groups, top-k, window and sinks.
+  density. ``random``: untrained random centroids with the same groups, top-k and sinks, the window widened
+  (or narrowed) until their pattern's density on the first window reaches ``focus``'s (:func:`random_window`).
 * **Density**: the fraction of causal query-key pairs a mode computes, counted exactly from the hard
-  memberships of every Focus layer and query head (:func:`pattern_density`, O(N·G)), averaged over Focus
+  memberships of every Focus layer and query head (:func:`far_pairs_by_distance`), averaged over Focus
   layers, heads and windows. ``full`` and ``soft`` (dense: every pair gets a score) count 1.0.
   **Balance**: largest key group over the mean key group (1.0 = perfectly balanced,
   :func:`routing.group_balance`), averaged the same way.
@@ -27,7 +28,7 @@ import math
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -69,28 +70,54 @@ def matching_window(n: int, sinks: int, density: float) -> int:
     return lo
 
 
+def far_pairs_by_distance(q_member: torch.Tensor, k_member: torch.Tensor, sinks: int) -> torch.Tensor:
+    """Group-sharing pairs of one unpadded prefill at each distance, per query head ``[B, Hq, N]`` (float64).
+
+    Entry ``d`` counts the pairs ``(i, j = i - d)`` with ``j >= sinks`` whose query and key share a group, so the
+    hard pattern at window ``w`` computes the window/sink pairs plus entries ``d >= w`` (:func:`pattern_density`).
+    q_member ``[B, Hq, N]`` and k_member ``[B, Hkv, N]`` are int64 group bitmasks (:func:`routing.hard_membership`).
+    Per distinct query bitmask, the cross-correlation (FFT) of the positions of the queries that have it with the
+    positions of the keys that share a group with it: O(U N log N) for U distinct query bitmasks (U <= G at top-1).
+    """
+    b, hq, n = q_member.shape
+    rep, size = hq // k_member.shape[1], 2 * n  # zero-padded to 2N: no wrap-around
+    out = torch.zeros(b, hq, n, dtype=torch.float64)
+    for bi in range(b):
+        for hh in range(hq):
+            keys = k_member[bi, hh // rep].cpu().clone()
+            keys[:sinks] = 0  # sinks are attended anyway: not far pairs
+            values, inverse = torch.unique(q_member[bi, hh].cpu(), return_inverse=True)
+            spectrum = torch.zeros(n + 1, dtype=torch.complex128)
+            for s in range(0, len(values), 256):  # [256, N] indicators at a time
+                v = values[s : s + 256]
+                queries = (inverse[None, :] == torch.arange(s, s + len(v))[:, None]).double()
+                shared = ((keys[None, :] & v[:, None]) != 0).double()
+                spectrum += (torch.fft.rfft(queries, size) * torch.fft.rfft(shared, size).conj()).sum(0)
+            out[bi, hh] = torch.fft.irfft(spectrum, size)[:n].round()  # [d] = sum_j queries[j + d] * shared[j]
+    return out
+
+
+def far_density(far: torch.Tensor, n: int, window: int, sinks: int) -> torch.Tensor:
+    """Density of the hard pattern at ``window`` from :func:`far_pairs_by_distance` counts ``far [..., N]``."""
+    return (far[..., window:].sum(-1) + window_pairs(n, window, sinks)) / (n * (n + 1) / 2)
+
+
 def pattern_density(q_member: torch.Tensor, k_member: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
     """Exact density of the hard Focus pattern of one unpadded prefill, per query head ``[B, Hq]``.
 
     q_member ``[B, Hq, N]`` and k_member ``[B, Hkv, N]`` are int64 group bitmasks (:func:`routing.hard_membership`).
-    Allowed pairs = window/sink pairs + far pairs (``sinks <= j <= i - window``) sharing a group, counted
-    with per-key-bitmask prefix sums: O(N·U) for U distinct key bitmasks (U <= G when key_top_k = 1).
+    Allowed pairs = window/sink pairs + far pairs (``sinks <= j <= i - window``) sharing a group.
     """
-    b, hq, n = q_member.shape
-    rep = hq // k_member.shape[1]
-    last = torch.arange(n, device=q_member.device) - window  # far keys of query i: sinks <= j <= i - window
-    out = torch.empty(b, hq, dtype=torch.float64)
-    for bi in range(b):
-        for h in range(k_member.shape[1]):
-            values, inverse = torch.unique(k_member[bi, h], return_inverse=True)
-            prefix = F.one_hot(inverse, len(values)).cumsum(0)  # [N, U]: keys j <= t with each bitmask
-            upto = torch.where((last >= 0)[:, None], prefix[last.clamp_min(0)], 0)
-            before = prefix[sinks - 1] if 0 < sinks <= n else torch.zeros_like(prefix[0])
-            count = (upto - before).clamp_min(0)  # [N, U]: far keys of query i with each bitmask
-            for hh in range(h * rep, (h + 1) * rep):
-                hit = (q_member[bi, hh][:, None] & values[None, :]) != 0
-                out[bi, hh] = float((count * hit).sum())
-    return (out + window_pairs(n, window, sinks)) / (n * (n + 1) / 2)
+    return far_density(far_pairs_by_distance(q_member, k_member, sinks), q_member.shape[-1], window, sinks)
+
+
+def matching_pattern_window(far: torch.Tensor, n: int, sinks: int, density: float) -> int:
+    """Smallest window whose hard pattern, with the far pairs counted in ``far [N]``, reaches ``density``."""
+    lo, hi = 1, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if far_density(far, n, mid, sinks) >= density else (mid + 1, hi)
+    return lo
 
 
 # ---- the window-only baseline --------------------------------------------------------------------
@@ -146,6 +173,7 @@ class RoutingMeter:
 
     def __init__(self, adapter: FocusAdapter):
         self.adapter, self.density, self.balance = adapter, [], []
+        self.far: list[torch.Tensor] = []  # per call: far pairs by distance [N], averaged over batch and heads
         self.handle = adapter.register_forward_hook(self)
 
     @torch.no_grad()
@@ -154,7 +182,9 @@ class RoutingMeter:
         c, cfg = adapter.centroids[slot].detach(), adapter.config
         qm = routing.hard_membership(query, c, cfg.query_top_k)
         km = routing.hard_membership(key, c, cfg.key_top_k)
-        self.density.append(pattern_density(qm, km, cfg.window, cfg.sink_tokens).mean().item())
+        far = far_pairs_by_distance(qm, km, cfg.sink_tokens)
+        self.density.append(far_density(far, query.shape[2], cfg.window, cfg.sink_tokens).mean().item())
+        self.far.append(far.mean((0, 1)))
         self.balance.append(routing.group_balance(km, cfg.num_groups).mean().item())
 
     def close(self) -> tuple[float, float]:
@@ -176,19 +206,21 @@ def window_nll(model: nn.Module, windows: torch.Tensor, *, desc: str = "", progr
 
 
 def check_modes(modes: tuple[str, ...] | list[str]) -> None:
-    """What :func:`evaluate` can run: known modes, and ``window`` only with ``focus``."""
+    """What :func:`evaluate` can run: known modes, and ``window`` and ``random`` only with ``focus``."""
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise ValueError(f"{unknown} unknown: choose from {MODES}")
-    if "window" in modes and "focus" not in modes:
-        raise ValueError("window needs focus too (the window is widened to focus's measured density)")
+    for baseline in ("window", "random"):
+        if baseline in modes and "focus" not in modes:
+            raise ValueError(f"{baseline} needs focus too (its window is set so that its density matches focus's "
+                             "measured density)")
 
 
 def evaluate(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, *, modes: tuple[str, ...] = MODES,
              progress: bool = True) -> list[ModeResult]:
     """Perplexity, density and balance of ``modes`` on ``windows [N, L]`` (module docstring for the protocol).
 
-    ``adapter`` must not be attached. ``window`` needs ``focus`` (it matches focus's measured density).
+    ``adapter`` must not be attached. ``window`` and ``random`` need ``focus`` (they match its measured density).
     """
     check_modes(modes)
     cfg, n = adapter.config, windows.shape[1]
@@ -229,8 +261,31 @@ def evaluate(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, *, 
                 run("window", window_density(n, w, cfg.sink_tokens), None, f"window {w} + {cfg.sink_tokens} sinks")
         else:
             rnd = FocusAdapter(cfg, seed=RANDOM_SEED).to(next(model.parameters()).device)
-            run("random", None, None, f"untrained random centroids (seed {RANDOM_SEED})", rnd)
+            w = random_window(model, rnd, windows[:1], results["focus"].density, progress)
+            rnd = FocusAdapter(replace(cfg, window=w), rnd.centroids.detach())
+            run("random", None, None, f"untrained random centroids (seed {RANDOM_SEED}), window {w} + "
+                f"{cfg.sink_tokens} sinks (matched to focus's density on the first window)", rnd)
     return list(results.values())
+
+
+def random_window(model: nn.Module, random: FocusAdapter, windows: torch.Tensor, density: float,
+                  progress: bool = False) -> int:
+    """Window at which ``random``'s hard pattern reaches ``density`` on ``windows [N, L]``.
+
+    Untrained centroids route queries and keys to different groups, so at the same window they compute fewer pairs
+    than trained ones; one forward with ``random`` attached counts its far pairs at every distance, then the window
+    is searched exactly on those counts (:func:`matching_pattern_window`). Routing downstream of a wider window
+    shifts a little, so the density measured in the run itself is what gets reported.
+    """
+    random.attach(model)
+    meter = RoutingMeter(random)
+    try:
+        window_nll(model, windows, desc="random: matching the density", progress=progress)
+    finally:
+        meter.close()
+        random.detach(model)
+    far = torch.stack(meter.far).mean(0)
+    return matching_pattern_window(far, windows.shape[1], random.config.sink_tokens, density)
 
 
 # ---- reporting -----------------------------------------------------------------------------------

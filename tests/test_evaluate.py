@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -31,6 +32,15 @@ def test_pattern_density_counts_exactly_what_focus_pattern_allows(kq, kk, window
     expected = focus_pattern(q, k, c, cfg).sum((-1, -2)).double() / (n * (n + 1) / 2)
     qm, km = routing.hard_membership(q, c, kq), routing.hard_membership(k, c, kk)
     assert torch.allclose(E.pattern_density(qm, km, window, sinks), expected, atol=1e-12)
+    far = E.far_pairs_by_distance(qm, km, sinks)  # [B, Hq, N]: the pattern at every window from one count
+    for w in range(1, n + 2):
+        mask = focus_pattern(q, k, c, FocusConfig(num_groups=6, query_top_k=kq, key_top_k=kk, window=w,
+                                                  sink_tokens=sinks))
+        assert torch.equal(E.far_density(far, n, w, sinks), mask.sum((-1, -2)).double() / (n * (n + 1) / 2))
+    target = float(expected.mean()) + 0.01
+    w = E.matching_pattern_window(far.mean((0, 1)), n, sinks, target)
+    assert E.far_density(far.mean((0, 1)), n, w, sinks) >= target or w == n
+    assert w == 1 or E.far_density(far.mean((0, 1)), n, w - 1, sinks) < target
 
 
 def test_window_densities_and_matching_window():
@@ -65,6 +75,8 @@ def test_window_only_restricts_attention_and_restores_the_model():
 def test_evaluate_all_modes_and_reports(tmp_path):
     model = tiny_llama()
     adapter = FocusAdapter.for_model(model, FocusConfig(num_groups=4, window=8, sink_tokens=2, block_size=16))
+    with torch.no_grad():  # two groups in use, about half the tokens each: denser than 4 random groups
+        adapter.centroids[:, :, 1:] = -adapter.centroids[:, :, :1]
     windows = torch.randint(0, 96, (2, 64), generator=torch.Generator().manual_seed(0))
     results = E.evaluate(model, adapter, windows, progress=False)
     by = {r.mode: r for r in results}
@@ -76,6 +88,12 @@ def test_evaluate_all_modes_and_reports(tmp_path):
     w = E.matching_window(64, 2, by["focus"].density)
     assert by["window"].density == E.window_density(64, w, 2) >= by["focus"].density
     assert f"window {w} + 2 sinks" in by["window"].note
+    rnd = FocusAdapter(adapter.config, seed=E.RANDOM_SEED)  # the random baseline, at the window evaluate chose
+    w = E.random_window(model, rnd, windows[:1], by["focus"].density)
+    assert f"window {w} + 2 sinks" in by["random"].note and w > 8  # random groups: fewer far pairs
+    at = lambda w: E.evaluate(model, FocusAdapter(replace(adapter.config, window=w), rnd.centroids.detach()),
+                              windows[:1], modes=("focus",), progress=False)[0].density
+    assert at(w) >= by["focus"].density > at(w - 1)  # measured on the first window: the smallest that matches
     assert not any(getattr(m, "_focus", None) for m in model.modules())  # everything detached again
 
     paths = E.save_results(str(tmp_path), results, {"model": "tiny"}, "protocol text", "title")
@@ -86,8 +104,9 @@ def test_evaluate_all_modes_and_reports(tmp_path):
     assert open(paths[E.PLOT_PNG], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_evaluate_rejects_window_without_focus():
+@pytest.mark.parametrize("baseline", ["window", "random"])
+def test_evaluate_rejects_a_baseline_without_focus(baseline):
     model = tiny_llama()
     adapter = FocusAdapter.for_model(model, FocusConfig(num_groups=4, window=8))
-    with pytest.raises(ValueError, match="window needs focus too"):
-        E.evaluate(model, adapter, torch.zeros(1, 16, dtype=torch.long), modes=("full", "window"))
+    with pytest.raises(ValueError, match=f"{baseline} needs focus too"):
+        E.evaluate(model, adapter, torch.zeros(1, 16, dtype=torch.long), modes=("full", baseline))
