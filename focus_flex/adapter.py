@@ -12,6 +12,7 @@ of the same name, so padding masks arrive), and points every attention module at
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import weakref
 from dataclasses import dataclass
@@ -21,7 +22,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from focus_flex.attention import DECODE_MAX_QUERIES, focus_attention, reference_attention, soft_attention
+from focus_flex.attention import (
+    DECODE_MAX_QUERIES,
+    attention_weights,
+    focus_attention,
+    reference_attention,
+    soft_attention,
+)
 from focus_flex.config import CONFIG_NAME, WEIGHTS_NAME, FocusConfig
 from focus_flex.decode import KeyIndex
 from focus_flex.threads import small_work
@@ -97,7 +104,7 @@ class FocusAdapter(nn.Module):
         self._mode = "fast"
         self._attached: list[tuple[weakref.ref, list]] = []  # (model, its hooks)
         self._active_cache: weakref.ref | None = None
-        self._key_index: dict[int, tuple[weakref.ref, KeyIndex, torch.Tensor]] = {}  # slot -> (cache, index, last key)
+        self._key_index: dict[int, _Indexed] = {}  # slot -> the key routing of the active cache's layer
 
     @property
     def mode(self) -> str:
@@ -121,7 +128,12 @@ class FocusAdapter(nn.Module):
             raise ValueError(f"layers {sliding} use the model's own sliding-window attention; Focus goes on the "
                              f"full-attention layers {list(shape.full_attention_layers)}.")
         if not layers:
-            raise ValueError(f"{shape.model_type} model has no full-attention layer for Focus to replace.")
+            window = getattr(getattr(model, "config", None), "sliding_window", None)
+            hint = (f": every layer uses the model's sliding-window attention (config.sliding_window={window}). Focus "
+                    "replaces full attention; to use it, load the model with sliding_window=None (e.g. "
+                    "from_pretrained(..., sliding_window=None)), which makes those layers full attention"
+                    if window else "")
+            raise ValueError(f"{shape.model_type} model has no full-attention layer for Focus to replace{hint}.")
         config.layers, config.num_layers = layers, shape.num_layers
         config.num_kv_heads, config.head_dim, config.model_type = shape.num_kv_heads, shape.head_dim, shape.model_type
         config.base_model = config.base_model or getattr(model, "name_or_path", None) or None
@@ -165,11 +177,9 @@ class FocusAdapter(nn.Module):
         hooks = []
         for module in _attention_modules(model):
             layer = module.layer_idx
-            module._focus = (weakref.ref(self), self.slot.get(layer))
-        inner = getattr(model, "base_model", model)  # what the LM head model calls with keyword arguments
-        for m in {model, inner}:
-            hooks.append(m.register_forward_pre_hook(self._enter if m is model else self._enter_inner,
-                                                     with_kwargs=True))
+            module._focus = _FocusState(weakref.ref(self), self.slot.get(layer))
+        for m in [model, *(h for h in _position_hosts(model) if h is not model)]:
+            hooks.append(m.register_forward_pre_hook(self._enter, with_kwargs=True))
             hooks.append(m.register_forward_hook(self._exit))
         _use_focus(model)
         self._attached.append((weakref.ref(model), hooks))
@@ -190,21 +200,44 @@ class FocusAdapter(nn.Module):
         raise ValueError("This adapter is not attached to that model.")
 
     def _enter(self, module, args, kwargs):
+        """Before a forward (of the model, or of a pretrained model inside it that runs the layers):
+
+        * settings changed on ``adapter.config`` since attach are checked again;
+        * the KV cache becomes the active one, and a key index is kept only if its cache layer still holds the very
+          key tensor it indexed, unmodified: ``reorder_cache`` (beam search), ``crop`` (assisted decoding), batch
+          selection or any rewrite replace it, and such a layer's keys are routed again from scratch;
+        * a padded call without ``position_ids`` gets positions counting real tokens, as ``generate`` passes them:
+          routing reads q and k after the position encoding, so a left-padded row would otherwise route (and
+          attend) differently from the same text unpadded.
+        """
+        self._check_config()
         cache = kwargs.get("past_key_values")
         self._active_cache = weakref.ref(cache) if cache is not None else None
-
-    def _enter_inner(self, module, args, kwargs):
-        """Padded calls without ``position_ids`` get positions counting real tokens, as ``generate`` passes them:
-        routing reads q and k after the position encoding, so a left-padded row would otherwise route (and attend)
-        differently from the same text unpadded."""
-        self._enter(module, args, kwargs)
+        layers = getattr(cache, "layers", None)
+        for slot, entry in list(self._key_index.items()):
+            layer = self.config.layers[slot]
+            keys = getattr(layers[layer], "keys", None) if layers is not None and layer < len(layers) else None
+            same = keys is not None and keys is entry.keys() and _version(keys) == entry.version
+            if entry.cache() is not cache or not same:
+                del self._key_index[slot]
         mask, x = kwargs.get("attention_mask"), kwargs.get("input_ids", args[0] if args else None)
         x = kwargs.get("inputs_embeds") if x is None else x
         if (kwargs.get("position_ids") is None and isinstance(mask, torch.Tensor) and mask.dim() == 2 and x is not None
-                and not bool(mask.all())):
+                and not bool(mask.all()) and "position_ids" in inspect.signature(module.forward).parameters):
             pos = mask.long().cumsum(-1) - 1
             kwargs["position_ids"] = pos.masked_fill(mask == 0, 1)[:, -x.shape[1]:]
         return args, kwargs
+
+    def _check_config(self) -> None:
+        """``adapter.config`` is the adapter's live configuration: valid, and still describing the centroids."""
+        c = self.config
+        c.validate()
+        shape = (len(c.layers), c.num_kv_heads, c.num_groups, c.head_dim)
+        if shape != tuple(self.centroids.shape) or c.layers != list(self.slot):
+            raise ValueError(f"adapter.config describes centroids {shape} on layers {c.layers}, but the adapter holds "
+                             f"{tuple(self.centroids.shape)} on layers {list(self.slot)}: on an adapter only the "
+                             "routing may change (query_top_k, key_top_k, window, sink_tokens, tau); for other "
+                             "groups or layers build a new one (FocusAdapter.for_model).")
 
     def _exit(self, module, args, output):
         self._active_cache = None
@@ -220,13 +253,13 @@ class FocusAdapter(nn.Module):
         if cache is None:
             return None
         cent, c = self.centroids[slot].detach(), self.config
+        routed_by = (c.num_groups, c.key_top_k, _version(self.centroids))
         entry = self._key_index.get(slot)
-        if entry is not None and _continues(entry, cache, key):
-            ref, index, _ = entry
-        else:
-            ref, index = weakref.ref(cache), KeyIndex(key.shape[0], key.shape[1], c.num_groups, key.device)
+        index = entry.index if entry is not None and entry.routed_by == routed_by else None
+        if index is None or index.length > key.shape[2] or key.shape[:2] != index.shape[:2]:
+            index = KeyIndex(key.shape[0], key.shape[1], c.num_groups, key.device)
         index.extend(key[:, :, index.length:], cent, c)
-        self._key_index[slot] = (ref, index, key[:, :, -1].clone())
+        self._key_index[slot] = _Indexed(weakref.ref(cache), index, weakref.ref(key), _version(key), routed_by)
         return index
 
     def forward(self, module: nn.Module, slot: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -345,13 +378,43 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
             and hasattr(m, "config") and m.__class__.__name__.endswith("Attention")]
 
 
-def _continues(entry: tuple[weakref.ref, KeyIndex, torch.Tensor], cache: object, key: torch.Tensor) -> bool:
-    """Whether ``key`` ``[B, Hkv, Lk, D]`` is the indexed keys of ``cache`` plus new ones (the last indexed key is
-    still in place): then only the new keys need routing."""
-    ref, index, last = entry
-    n = index.length
-    return ref() is cache and n <= key.shape[2] and key.shape[:2] == last.shape[:2] and torch.equal(
-        key[:, :, n - 1], last)
+def _position_hosts(model: nn.Module) -> list[nn.Module]:
+    """The pretrained models inside ``model`` (itself included) that hold every Focus layer: the ones a padded call
+    may reach without ``position_ids``, whoever calls them (the LM head model, a PEFT wrapper, the user)."""
+    from transformers import PreTrainedModel
+
+    focus = {id(m) for m in _attention_modules(model) if m._focus.slot is not None}
+    return [m for m in model.modules() if isinstance(m, PreTrainedModel) and focus <= {id(x) for x in m.modules()}]
+
+
+def _version(t: torch.Tensor) -> int:
+    """How often ``t`` was modified in place (-1 for inference tensors, which do not count: identity only)."""
+    return -1 if t.is_inference() else t._version
+
+
+@dataclass
+class _Indexed:
+    """A key index and what it was built from: the cache, its layer's key tensor (and that tensor's in-place
+    version), and the routing settings (groups, key top-k, the centroids' version)."""
+
+    cache: weakref.ref
+    index: KeyIndex
+    keys: weakref.ref
+    version: int
+    routed_by: tuple[int, int, int]
+
+
+class _FocusState:
+    """What an attention module of an attached model holds: its adapter (weak) and its slot (None: not Focus)."""
+
+    def __init__(self, adapter: weakref.ref, slot: int | None):
+        self.adapter, self.slot = adapter, slot
+
+    def __deepcopy__(self, memo):
+        raise RuntimeError("This model has a Focus adapter attached; detach it (adapter.detach(model)) before "
+                           "copying the model, then attach an adapter to each copy.")
+
+    __reduce_ex__ = __deepcopy__
 
 
 class FocusMask:
@@ -398,8 +461,8 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     state = getattr(module, "_focus", None)
-    adapter = state[0]() if state is not None else None
-    if adapter is None or state[1] is None:  # a layer without Focus (e.g. Gemma-3 sliding): the model's own
+    adapter = state.adapter() if state is not None else None
+    if adapter is None or state.slot is None:  # a layer without Focus (e.g. Gemma-3 sliding): the model's own
         dense = attention_mask.dense() if isinstance(attention_mask, FocusMask) else attention_mask
         return sdpa_attention_forward(module, query, key, value, dense, dropout=dropout, scaling=scaling, **kwargs)
     if dropout and module.training:
@@ -409,16 +472,25 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
         raise ValueError("Focus replaces full-attention layers only; this layer uses softcap or a sliding window.")
     if isinstance(attention_mask, FocusMask):
         if not attention_mask.is_causal:
-            raise ValueError("Focus attention supports causal attention with a padding mask only; packed sequences "
-                             "and custom mask functions are not supported.")
+            raise ValueError("Focus attention supports causal attention with a padding mask only, and this call asks "
+                             "for another mask function: e.g. Gemma-3's bidirectional attention over image tokens, "
+                             "packed sequences, or a custom mask. Run text-only causal inputs, or detach the adapter "
+                             "for such calls.")
         padding = attention_mask.padding
     elif attention_mask is None:
         padding = None
     else:
         raise ValueError(f"Focus attention got a {getattr(attention_mask, 'ndim', '?')}-D attention mask; pass a 2-D "
                          f"[batch, length] padding mask (1 = token, 0 = pad). Custom 4-D masks are not supported.")
-    out = adapter(module, state[1], query, key, value, padding, scaling)
-    return out.transpose(1, 2).contiguous(), None
+    out = adapter(module, state.slot, query, key, value, padding, scaling)
+    weights = None
+    if kwargs.get("output_attentions"):
+        if adapter.mode == "soft":
+            raise ValueError("output_attentions=True: the soft path's weights are not returned; set adapter.mode = "
+                             "'fast' or 'reference' for the hard pattern's attention weights.")
+        weights = attention_weights(query, key, adapter.centroids[state.slot].detach(), adapter.config,
+                                    attention_mask=padding, scale=scaling)
+    return out.transpose(1, 2).contiguous(), weights
 
 
 _registered = False

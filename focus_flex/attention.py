@@ -105,6 +105,17 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centr
     return out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
 
 
+def attention_weights(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, config: FocusConfig, *,
+                      attention_mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """The attention probabilities of the hard pattern, ``[B, Hq, Lq, Lk]`` (what ``output_attentions=True`` returns):
+    the softmax of the scaled scores over the keys :func:`focus_pattern` allows, 0 elsewhere. Dense, O(Lq * Lk)."""
+    mask = focus_pattern(q, k, centroids, config, attention_mask=attention_mask)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    keys = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scores = (q.float() @ keys.float().transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1).nan_to_num(0.0).to(q.dtype)  # a row with no allowed key (padding): zeros
+
+
 def soft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
                    config: FocusConfig, *, attention_mask: torch.Tensor | None = None,
                    scale: float | None = None) -> torch.Tensor:
@@ -546,8 +557,12 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
     Decode (Lq <= 16): the allowed keys are gathered (window + sinks + same-group keys). ``key_index``
     (:class:`~focus_flex.decode.KeyIndex`) is the key routing a KV cache already computed for exactly these keys:
     with it and no padding, decode reads its per-group key lists and costs O(selected keys); otherwise decode is
-    O(Lk). Inference only: compiled flex has no backward on CPU; train with :func:`soft_attention`.
+    O(Lk). Gradients reach q, k and v (not the centroids: hard routing) and are exact, at dense cost: the kernels
+    merge through log-sum-exps that carry none, so the backward differentiates :func:`reference_attention`.
+    To train the centroids use :func:`soft_attention`.
     """
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _ReferenceGradients.apply(q, k, v, centroids.detach(), config, attention_mask, scale, key_index, kernel)
     valid = check_inputs(q, k, v, centroids, config, attention_mask)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     b, hq, lq, d = q.shape
@@ -590,6 +605,28 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
             far = _far_call(qj, kj, vj, plan.far, lse, scale, threads)
             out[:, hs] = _merge((out[:, hs], real, lse), far, plan.far, config.query_top_k == 1)
     return out
+
+
+class _ReferenceGradients(torch.autograd.Function):
+    """:func:`focus_attention`'s output, :func:`reference_attention`'s gradients (the same function, computed densely:
+    the fast kernels' log-sum-exps carry no gradient)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, centroids, config, attention_mask, scale, key_index, kernel):
+        ctx.save_for_backward(q, k, v, centroids, attention_mask)
+        ctx.config, ctx.scale = config, scale
+        return focus_attention(q, k, v, centroids, config, attention_mask=attention_mask, scale=scale,
+                               key_index=key_index, kernel=kernel)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, centroids, attention_mask = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3], strict=True)]
+        with torch.enable_grad():
+            out = reference_attention(*inputs, centroids, ctx.config, attention_mask=attention_mask, scale=ctx.scale)
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad))
+        return (*(next(grads) if t.requires_grad else None for t in inputs), *[None] * 6)
 
 
 def causal_blocks(n: int, block_size: int) -> float:

@@ -198,6 +198,98 @@ def test_key_index_follows_interleaved_caches():
     assert maxdiff(again, model(x[:, :25]).logits[:, 20:]) <= 1e-4
 
 
+@torch.no_grad()
+def test_key_index_is_rebuilt_after_reorder_crop_and_routing_changes():
+    """A cache that beam search reorders or assisted decoding crops and rewrites keeps the same object and, in layer 0,
+    even the same last key: the index must notice that its key tensor was replaced. So must a change of key routing
+    (key_top_k, centroids) between calls on one cache."""
+    import copy
+
+    from transformers import DynamicCache
+
+    model = tiny("llama")
+    adapter = FocusAdapter.for_model(model, CFG)
+    adapter.attach(model)
+    x = ids(2, 40, seed=5)
+    x[1] = x[0]
+    x[1, 10] = (x[0, 10] + 1) % VOCAB  # rows differ only far back: same last token, same layer-0 last key
+    nxt = ids(1, 1, seed=6).expand(2, 1)
+
+    def oracle(seq):
+        adapter.mode = "reference"
+        try:
+            return model(seq).logits[:, -1]
+        finally:
+            adapter.mode = "fast"
+
+    cache = DynamicCache(config=model.config)
+    model(x, past_key_values=cache, use_cache=True)
+    cache.reorder_cache(torch.tensor([1, 1]))  # beam search: both beams now continue row 1
+    got = model(nxt, past_key_values=cache, use_cache=True).logits[:, -1]
+    assert maxdiff(got, oracle(torch.cat([x[1:].expand(2, -1), nxt], 1))) <= 1e-4
+
+    cache = DynamicCache(config=model.config)
+    model(x[:1], past_key_values=cache, use_cache=True)
+    cache.crop(-10)  # assisted decoding rejects candidates: the cache is cut to 30 tokens, then written again
+    y = ids(1, 10, seed=7)
+    y[0, -1] = x[0, -1]  # the same token at the same position as before the crop
+    got = model(y, past_key_values=cache, use_cache=True).logits[:, -1]
+    assert maxdiff(got, oracle(torch.cat([x[:1, :30], y], 1))) <= 1e-4
+
+    cache = DynamicCache(config=model.config)
+    model(x[:1], past_key_values=cache, use_cache=True)
+    saved = copy.deepcopy(cache)
+    adapter.config.key_top_k = 3  # keys now join 3 groups: the cached keys are routed again
+    got = model(nxt[:1], past_key_values=cache, use_cache=True).logits[:, -1]
+    adapter.mode = "reference"
+    assert maxdiff(got, model(nxt[:1], past_key_values=saved, use_cache=True).logits[:, -1]) <= 1e-4
+    adapter.mode = "fast"
+    with pytest.raises(ValueError, match="key_top_k=9 must be an int in"):  # the live config is checked each call
+        adapter.config.key_top_k = 9
+        model(nxt[:1], past_key_values=cache, use_cache=True)
+    adapter.config.key_top_k = 1
+    with pytest.raises(ValueError, match="only the routing may change"):
+        adapter.config.layers = [1]
+        model(nxt[:1])
+    adapter.config.layers = [0, 1]
+    with pytest.raises(RuntimeError, match="detach it .* before copying the model"):
+        copy.deepcopy(model)
+
+
+@torch.no_grad()
+def test_output_attentions_returns_the_focus_patterns_weights():
+    """output_attentions=True returns each Focus layer's attention probabilities: with a window covering the sequence,
+    the model's own eager weights; with a short window, zero exactly outside the pattern, rows summing to 1."""
+    from focus_flex.attention import focus_pattern
+
+    model = tiny("llama")
+    x, mask = ids(2, 40), torch.ones(2, 40, dtype=torch.long)
+    mask[0, :7] = 0  # left padding
+    eager = model.set_attn_implementation("eager") or model(x, attention_mask=mask, output_attentions=True)
+    model.set_attn_implementation("sdpa")
+    wide = FocusAdapter.for_model(model, FocusConfig(num_groups=4, window=64, sink_tokens=2))
+    wide.attach(model)
+    got = model(x, attention_mask=mask, output_attentions=True)
+    real = mask.bool()[:, None, :, None]  # transformers' eager attention spreads a padded query over every key
+    assert all(maxdiff(a * real, b * real) <= 1e-5 for a, b in zip(got.attentions, eager.attentions, strict=True))
+    wide.detach(model)
+    adapter = FocusAdapter.for_model(model, CFG)
+    adapter.attach(model)
+    q, k = {}, {}  # each Focus layer's routed q and k, to build its pattern
+    hook = adapter.register_forward_hook(lambda a, args, out: q.update({args[1]: args[2]}) or
+                                         k.update({args[1]: args[3]}))
+    out = model(x, attention_mask=mask, output_attentions=True)
+    hook.remove()
+    assert maxdiff(out.logits, model(x, attention_mask=mask).logits) == 0
+    for slot, w in enumerate(out.attentions):
+        allowed = focus_pattern(q[slot], k[slot], adapter.centroids[slot].detach(), CFG, attention_mask=mask.bool())
+        assert w.shape == (2, 4, 40, 40) and w[~allowed].abs().max() == 0 and not allowed.all()
+        assert torch.allclose(w.sum(-1)[allowed.any(-1)], torch.ones(()), atol=1e-5)
+    adapter.mode = "soft"
+    with pytest.raises(ValueError, match="soft path's weights are not returned"):
+        model(x, output_attentions=True)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @torch.no_grad()
 def test_left_padded_batch_equals_unpadded_sequences(arch):
@@ -217,6 +309,11 @@ def test_left_padded_batch_equals_unpadded_sequences(arch):
                          do_sample=False)
     gen_alone = model.generate(x[:1, 11:45].expand(2, -1), max_new_tokens=12, min_new_tokens=12, do_sample=False)
     assert torch.equal(gen[0, 45:], gen_alone[0, 34:])
+    # The same through the bare backbone (AutoModel) attached on its own: it is the one that gets the positions.
+    bare = tiny(arch).base_model
+    FocusAdapter.for_model(bare, CFG).attach(bare)
+    hidden = bare(x, attention_mask=mask).last_hidden_state
+    assert maxdiff(hidden[0, 11:], bare(x[:1, 11:].expand(2, -1)).last_hidden_state[0]) <= 1e-4
 
 
 def test_training_path_moves_only_centroids():
@@ -305,6 +402,10 @@ def test_unsupported_architecture_names_the_supported_ones():
                                      num_attention_heads=2, word_embed_proj_dim=32))
     with pytest.raises(ValueError, match="llama.*gpt2"):
         FocusAdapter.for_model(model, CFG)
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(ValueError, match=r"sliding_window=4096\). .*sliding_window=None"):  # its default config
+        FocusAdapter.for_model(mistral, CFG)
 
 
 @torch.no_grad()
@@ -322,8 +423,15 @@ def test_unsupported_options_raise_instead_of_being_ignored():
     with torch.enable_grad():
         with pytest.raises(ValueError, match="set adapter.mode = 'soft' to train them"):
             model(ids(1, 20), labels=ids(1, 20))
-        adapter.requires_grad_(False)
-        model(ids(1, 20), labels=ids(1, 20)).loss.backward()  # centroids frozen: the rest trains with Focus on
+        adapter.requires_grad_(False)  # centroids frozen: the rest trains with Focus on, with exact gradients
+        grads = {}
+        for mode in ("fast", "reference"):
+            adapter.mode = mode
+            model.zero_grad()
+            model(ids(1, 40), labels=ids(1, 40)).loss.backward()
+            grads[mode] = [p.grad.clone() for p in model.parameters()]
+        assert all(maxdiff(a, b) <= 1e-5 for a, b in zip(*grads.values(), strict=True))
+        adapter.mode = "fast"
         adapter.requires_grad_(True)
     model(ids(1, 20))  # (no_grad: inference in training mode)
     model.eval()

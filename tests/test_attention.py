@@ -67,6 +67,14 @@ def test_fast_path_matches_reference_fp32(case, kernel):
     if pad:  # padded query rows are zeros
         real_q = mask[:, lk - lq:][:, None, :, None].expand_as(out)
         assert out[~real_q].abs().sum() == 0 and out[real_q].abs().sum() > 0
+    # Gradients to q, k, v (the kernels' log-sum-exps carry none; the backward is the reference's): exact.
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    with_grad = focus_attention(*inputs, c, cfg, attention_mask=mask, kernel=kernel)
+    assert torch.equal(with_grad.detach(), out)
+    got = torch.autograd.grad(with_grad, inputs, grad)
+    want = torch.autograd.grad(reference_attention(*inputs, c, cfg, attention_mask=mask), inputs, grad)
+    assert all(max_diff(a, b) <= 1e-5 for a, b in zip(got, want, strict=True))
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
