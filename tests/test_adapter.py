@@ -23,6 +23,7 @@ from transformers import (
 )
 
 from focus_flex import CONFIG_NAME, WEIGHTS_NAME, FocusAdapter, FocusConfig
+from focus_flex.decode import KeyIndex
 
 # Short sequences share one padded shape (see attention.bucket), so the kernels compile once per batch size.
 CFG = FocusConfig(num_groups=4, query_top_k=2, window=8, sink_tokens=2, block_size=32)
@@ -199,17 +200,24 @@ def test_key_index_follows_interleaved_caches():
 
 
 @torch.no_grad()
-def test_key_index_is_rebuilt_after_reorder_crop_and_routing_changes():
+def test_key_index_is_rebuilt_after_reorder_crop_and_routing_changes(monkeypatch):
     """A cache that beam search reorders or assisted decoding crops and rewrites keeps the same object and, in layer 0,
     even the same last key: the index must notice that its key tensor was replaced. So must a change of key routing
-    (key_top_k, centroids) between calls on one cache."""
+    (key_top_k, centroids) between calls on one cache. Plain decoding keeps one index per layer, grown step by step."""
     import copy
 
     from transformers import DynamicCache
 
+    from focus_flex import adapter as adapter_module
+
     model = tiny("llama")
     adapter = FocusAdapter.for_model(model, CFG)
     adapter.attach(model)
+    built = []
+    monkeypatch.setattr(adapter_module, "KeyIndex", lambda *a: built.append(a) or KeyIndex(*a))
+    model.generate(ids(2, 12), attention_mask=torch.ones(2, 12), max_new_tokens=10, min_new_tokens=10,
+                   do_sample=False)
+    assert len(built) == 2  # one per Focus layer, for the 10 steps
     x = ids(2, 40, seed=5)
     x[1] = x[0]
     x[1, 10] = (x[0, 10] + 1) % VOCAB  # rows differ only far back: same last token, same layer-0 last key
