@@ -132,7 +132,7 @@ with torch.no_grad():
         with capture_qkv(model) as qkv:
             model(ids[None])
         for layer, slot in adapter.slot.items():
-            q, k, _ = qkv[layer]
+            q, k = qkv[layer].q, qkv[layer].k
             cent = adapter.centroids[slot]
             key_scores[layer].append(routing.scores(k, cent, cfg.tau)[0])
             query_member[layer].append(routing.hard_membership(q, cent, cfg.query_top_k)[0])

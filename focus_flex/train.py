@@ -8,7 +8,7 @@ Two objectives:
   recomputed and the centroids are fitted so that Focus attention reproduces the layer's attention
   output: the Focus row is ``p_ij m_ij`` renormalised, with ``m_ij = 1`` for window/sink pairs and, for far
   pairs, the soft overlap ``min(1, sum_g a_ig b_jg)`` of the query's soft top-k membership ``a``
-  (:func:`routing.soft_membership`) and the key's soft group ``b`` (one unit of mass over groups); the loss
+  (:func:`routing.soft_membership`) and the key's soft groups ``b`` (``key_top_k`` units of mass); the loss
   is ``sum_i |o_i - o_i^full|^2 / sum_i |o_i^full|^2`` over the sampled rows of each head (a relative
   squared error of the layer output; the values decide which lost attention matters). With hard routing
   the Focus row is exactly the Focus attention row of :func:`focus_flex.attention.reference_attention`.
@@ -39,7 +39,7 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -57,7 +57,19 @@ INITS = ("kmeans", "random")
 CHECKPOINT_DIR = "checkpoints"
 STATE_NAME = "trainer_state.pt"
 
-QKV = dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # layer -> (q [B, Hq, L, D], k, v [B, Hkv, L, D])
+
+
+class LayerQKV(NamedTuple):
+    """What one attention layer computed with: post-RoPE q ``[B, Hq, L, D]``, k and v ``[B, Hkv, L, D]``, and its
+    score scale (None: ``head_dim ** -0.5``; e.g. Gemma-3's ``query_pre_attn_scalar`` sets another)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    scale: float | None
+
+
+QKV = dict[int, LayerQKV]  # layer index -> its q, k, v and scale
 
 
 @dataclass
@@ -133,7 +145,7 @@ def rank_and_world() -> tuple[int, int]:
 
 @contextlib.contextmanager
 def capture_qkv(model: nn.Module) -> Iterator[QKV]:
-    """While active, forwards of ``model`` record ``{layer: (q [B, Hq, L, D], k, v [B, Hkv, L, D])}`` (post-RoPE).
+    """While active, forwards of ``model`` record ``{layer: LayerQKV(q, k, v, scale)}`` (post-RoPE q and k).
 
     The model's own attention still computes the outputs: a transformers attention implementation that
     stores the tensors and delegates to ``sdpa_attention_forward``, with SDPA's mask builder.
@@ -147,7 +159,7 @@ def capture_qkv(model: nn.Module) -> Iterator[QKV]:
     store: QKV = {}
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        store[module.layer_idx] = (query.detach(), key.detach(), value.detach())
+        store[module.layer_idx] = LayerQKV(query.detach(), key.detach(), value.detach(), scaling)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
 
@@ -187,12 +199,12 @@ def spherical_kmeans(x: torch.Tensor, k: int, iters: int, generator: torch.Gener
 def kmeans_init(adapter: FocusAdapter, qkv: QKV, seed: int, iters: int = 10) -> None:
     """Set each layer's and KV head's centroids to spherical k-means centres of its keys (needs N >= G keys)."""
     gen = torch.Generator().manual_seed(seed)
-    keys_per_head, g = qkv[adapter.config.layers[0]][1][:, 0].shape[:2], adapter.config.num_groups
+    keys_per_head, g = qkv[adapter.config.layers[0]].k[:, 0].shape[:2], adapter.config.num_groups
     if keys_per_head[0] * keys_per_head[1] < g:
         raise ValueError(f"k-means init needs at least as many keys per head as groups ({g}); one training window "
                          f"has {keys_per_head[0] * keys_per_head[1]}: use a longer --seq-len or --init random")
     for layer, slot in adapter.slot.items():
-        k = qkv[layer][1]
+        k = qkv[layer].k
         for h in range(k.shape[1]):
             keys = k[:, h].reshape(-1, k.shape[-1]).cpu()
             adapter.centroids[slot, h] = spherical_kmeans(keys, adapter.config.num_groups, iters, gen)
@@ -239,7 +251,7 @@ def distill_layer_loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centro
     s_k = routing.scores(k, centroids, config.tau)  # [B, Hkv, L, G]
     a = routing.soft_membership(routing.scores(q[:, :, query_idx], centroids, config.tau), config.query_top_k)
     b = routing.soft_membership(s_k, config.key_top_k)
-    b = (b / b.sum(-1, keepdim=True)).repeat_interleave(rep, 1)
+    b = (b * (config.key_top_k / b.sum(-1, keepdim=True))).repeat_interleave(rep, 1)  # key_top_k units, as hard
     keep = torch.where(far, (a @ b.transpose(-1, -2)).clamp_max(1.0), near.float())
     return output_error(p, keep, vv, full).mean(), balance_loss(s_k, config.sinkhorn_iters)
 
@@ -304,7 +316,8 @@ def accumulate_gradients(model: nn.Module, adapter: FocusAdapter, sequences: tor
             gen = _step_generator(tc.seed, step, 2 + position)
             idx = query_positions(seq.shape[0], tc.query_samples, cfg, gen).to(seq.device)
             for layer, slot in adapter.slot.items():
-                err, bal = distill_layer_loss(*qkv[layer], adapter.centroids[slot], cfg, idx)
+                q, k, v, scale = qkv[layer]
+                err, bal = distill_layer_loss(q, k, v, adapter.centroids[slot], cfg, idx, scale)
                 main = err / len(adapter.slot)
                 bal = bal / len(adapter.slot)
                 ((main + tc.balance_weight * bal) / global_batch).backward()
@@ -359,11 +372,11 @@ def dev_metrics(adapter: FocusAdapter, dev_qkv: list[QKV], num_queries: int = 25
     kept, err, dens, bal = [], [], [], []
     for qkv in dev_qkv:
         for layer, slot in adapter.slot.items():
-            q, k, v = qkv[layer]
+            q, k, v, scale = qkv[layer]
             n = q.shape[2]
             idx = torch.linspace(min(cfg.window, n - 1), n - 1, num_queries, device=q.device).long().unique()
             c = cent[slot].to(q.device)
-            fidelity = hard_fidelity(q, k, v, c, cfg, idx)
+            fidelity = hard_fidelity(q, k, v, c, cfg, idx, scale)
             kept.append(fidelity[0].mean())
             err.append(fidelity[1].mean())
             qm = routing.hard_membership(q, c, cfg.query_top_k)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 from focus_flex import FocusAdapter, FocusConfig, routing
 from focus_flex import train as T
@@ -156,7 +156,14 @@ def test_capture_records_post_rope_qkv_without_changing_outputs():
         with capture_qkv(model) as qkv:
             got = model(x).logits
     assert torch.equal(ref, got) and model.config._attn_implementation == "sdpa"
-    assert sorted(qkv) == [0, 1] and [t.shape for t in qkv[0]] == [(1, 4, 48, 16), (1, 2, 48, 16), (1, 2, 48, 16)]
+    assert sorted(qkv) == [0, 1] and [t.shape for t in qkv[0][:3]] == [(1, 4, 48, 16), (1, 2, 48, 16), (1, 2, 48, 16)]
+    assert qkv[0].scale == model.model.layers[0].self_attn.scaling
+    gemma = Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, head_dim=16,
+                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                               query_pre_attn_scalar=64, layer_types=["full_attention"])).eval()
+    with torch.no_grad(), capture_qkv(gemma) as qkv:  # a scale other than head_dim ** -0.5: the one recorded
+        gemma(x[:, :20])
+    assert qkv[0].scale == 64 ** -0.5 == gemma.model.layers[0].self_attn.scaling
     adapter = FocusAdapter.for_model(model, FOCUS)
     adapter.attach(model)
     with pytest.raises(RuntimeError, match="detach"), capture_qkv(model):
@@ -164,22 +171,23 @@ def test_capture_records_post_rope_qkv_without_changing_outputs():
     adapter.detach(model)
 
 
-def test_distill_loss_is_the_output_error_of_hard_focus_attention():
-    """As routing sharpens, the loss -> relative squared error of reference Focus attention against full attention."""
+@pytest.mark.parametrize("key_top_k,scale", [(1, None), (2, None), (3, 0.2)])
+def test_distill_loss_is_the_output_error_of_hard_focus_attention(key_top_k, scale):
+    """As routing sharpens, the loss -> relative squared error of reference Focus attention against full attention
+    (keys in several groups: a shared group counts fully; the layer's own score scale)."""
     torch.manual_seed(0)
-    cfg = FocusConfig(num_groups=4, query_top_k=2, window=4, sink_tokens=1, tau=1e-4)
-    q, k, v, c = torch.randn(1, 4, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(2, 4, 8)
+    cfg = FocusConfig(num_groups=8, query_top_k=2, key_top_k=key_top_k, window=4, sink_tokens=1, tau=1e-6)
+    q, k, v, c = torch.randn(1, 4, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(2, 8, 8)
     idx = torch.arange(4, 32)
-    err, bal = distill_layer_loss(q, k, v, c, cfg, idx)
-    focus = reference_attention(q, k, v, c, cfg)[:, :, idx]
-    full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)[:, :, idx]
+    err, _ = distill_layer_loss(q, k, v, c, cfg, idx, scale)  # (the balance term: test_balance_loss_...)
+    focus = reference_attention(q, k, v, c, cfg, scale=scale)[:, :, idx]
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)[:, :, idx]
     expected = (focus - full).pow(2).sum((-1, -2)) / full.pow(2).sum((-1, -2))
-    assert err > 0.01 and torch.allclose(err, expected.mean(), rtol=1e-3)
-    assert bal > 0
-    p = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(2, 1)) / 8 ** 0.5
+    assert err > 0.001 and torch.allclose(err, expected.mean(), rtol=1e-3)
+    p = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(2, 1)) * (scale or 8 ** -0.5)
     p = p.masked_fill(~torch.ones(32, 32, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
     kept = (p * focus_pattern(q, k, c, cfg))[:, :, idx].sum(-1)
-    hard_kept, hard_err = T.hard_fidelity(q, k, v, c, cfg, idx)
+    hard_kept, hard_err = T.hard_fidelity(q, k, v, c, cfg, idx, scale)
     assert torch.allclose(hard_kept, kept.mean(-1), atol=1e-5) and torch.allclose(hard_err, expected, rtol=1e-3)
 
 
