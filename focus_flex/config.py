@@ -107,10 +107,11 @@ class FocusConfig:
         return json.dumps({**self.to_dict(), "focus_flex_version": __version__}, indent=2, sort_keys=True) + "\n"
 
     def save_pretrained(self, directory: str | os.PathLike) -> str:
+        text = self.to_json_string()  # first: a value JSON cannot hold must not leave a truncated file behind
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, CONFIG_NAME)
         with open(path, "w") as f:
-            f.write(self.to_json_string())
+            f.write(text)
         return path
 
     @classmethod

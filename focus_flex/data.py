@@ -9,9 +9,10 @@ Protocol (the same for training, evaluation and the benchmarks):
    (~1.3M tokens), split **by whole book** in ``corpus/split.json`` (which also records where the
    texts come from): ``train`` = five Austen novels, ``eval`` = Austen's *Persuasion* and Dickens'
    *Great Expectations*, so evaluation text is never seen in training, not even as a neighbouring
-   chapter. A local file, directory (every ``*.txt`` below it) or glob gives one document per file;
-   any other string is a ``datasets`` dataset name, loaded with ``split`` and read from its
-   ``text`` column (one document per row; empty rows are dropped).
+   chapter. A local text file, directory (every ``*.txt`` below it, hidden folders skipped) or glob gives
+   one document per file. Local data files (``.json``/``.jsonl``, ``.csv``/``.tsv``, ``.parquet``, ``.arrow``)
+   and a folder written by ``Dataset.save_to_disk`` are datasets, as is any other string (a ``datasets``
+   dataset name, loaded with ``split``): one document per row of the ``text`` column, empty rows dropped.
 2. **Windows.** `token_windows` tokenizes each document on its own, with no special tokens (no BOS
    is added: SmolLM2-Instruct's BOS ``<|im_start|>`` is not a text token, and attention sinks are
    the first tokens of each window whatever they are), and cuts windows of exactly ``length`` tokens
@@ -31,10 +32,17 @@ from pathlib import Path
 
 import datasets
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from focus_flex.models import max_context
 
 CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
 SPLIT_FILE = CORPUS_DIR / "split.json"
+DATA_FILES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet",
+              ".arrow": "arrow"}  # local files read as datasets (a ``text`` column), by suffix
+# Local files are read afresh every time: datasets' cache knows a file by its size and modification time, so a file
+# rewritten with its old mtime (cp -p, rsync -t, tar x) would come back with its old text (reading is ~0.1 s).
+FRESH = "force_redownload"
 
 
 def corpus_split(split: str = "train") -> list[Path]:
@@ -50,8 +58,11 @@ def load_documents(source: str | None = None, split: str = "train") -> list[str]
 
     Args:
         source: ``None`` for the shipped corpus; a local text file, a directory (all ``*.txt``
-            files below it, sorted) or a glob pattern (one document per file; ``split`` is ignored);
-            or a ``datasets`` dataset name (``split`` is passed through, column ``text`` is used).
+            files below it outside hidden folders, sorted) or a glob pattern (one document per file;
+            ``split`` is ignored); local data files (``.json``/``.jsonl``/``.csv``/``.tsv``/``.parquet``/
+            ``.arrow``: one document per row of column ``text``); a ``save_to_disk`` folder (``split``
+            picks a split of a DatasetDict); or a ``datasets`` dataset name (``split`` is passed through,
+            column ``text`` is used).
         split: for the shipped corpus ``"train"`` or ``"eval"``; for a dataset name, its split.
 
     Raises:
@@ -62,9 +73,26 @@ def load_documents(source: str | None = None, split: str = "train") -> list[str]
     """
     if source is None:
         return _load_files(corpus_split(split))
-    if _is_path(source):
-        return _load_files(_resolve_files(source))
-    return _load_named(source, split)
+    if not _is_path(source):
+        return _load_named(source, split)
+    path = Path(os.path.expanduser(source))
+    if path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()):
+        return _text_column(datasets.load_from_disk(str(path)), source, split)  # written by save_to_disk
+    files = _resolve_files(source)
+    builders = {DATA_FILES.get(f.suffix.lower()) for f in files}
+    if builders == {None}:
+        return _load_files(files)
+    if len(builders) > 1:
+        raise ValueError(f"{source!r} mixes text files and data files ({sorted({f.suffix for f in files})}): "
+                         f"pass one kind at a time")
+    builder = builders.pop()
+    extra = {"delimiter": "\t"} if builder == "csv" and files[0].suffix.lower() == ".tsv" else {}
+    try:
+        ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", download_mode=FRESH,
+                                   **extra)
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
+        raise ValueError(f"Cannot read {source!r} as {builder} data: {e}") from e
+    return _text_column(ds, source, None)
 
 
 def token_windows(
@@ -117,7 +145,8 @@ def _resolve_files(source: str) -> list[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+        files = sorted(p for p in path.rglob("*.txt")  # not in hidden folders (.git, .ipynb_checkpoints, ...)
+                       if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
         if not files:
             raise FileNotFoundError(f"Directory {source!r} contains no *.txt files")
         return files
@@ -137,7 +166,8 @@ def _load_files(files: list[Path]) -> list[str]:
     if unreadable:
         raise PermissionError(f"Cannot read {unreadable}")
     try:
-        ds = datasets.load_dataset("text", data_files=[str(f) for f in files], sample_by="document", split="train")
+        ds = datasets.load_dataset("text", data_files=[str(f) for f in files], sample_by="document", split="train",
+                                   download_mode=FRESH)
     except datasets.exceptions.DatasetGenerationError as e:
         raise ValueError(f"Cannot read the text files: {_first_bad_file(files) or e}") from e
     docs: list[str] = [d.removeprefix("\ufeff") for d in ds["text"]]  # a UTF-8 byte-order mark is not text
@@ -167,9 +197,33 @@ def _load_named(name: str, split: str) -> list[str]:
             f"(split {split!r}): {e}. With no Hub reachable, pass local text files, "
             "or None for the shipped corpus."
         ) from e
+    return _text_column(ds, name, split)
+
+
+def _text_column(ds: datasets.Dataset | datasets.DatasetDict, name: str, split: str | None) -> list[str]:
+    """The non-empty rows of the ``text`` column of ``ds`` (for a DatasetDict, of its ``split``)."""
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise ValueError(f"Dataset {name!r} has splits {sorted(ds)}, not {split!r}: choose one")
+        ds = ds[split]
     if "text" not in ds.column_names:
         raise ValueError(f"Dataset {name!r} has no 'text' column; its columns are {ds.column_names}")
     docs = [doc for doc in ds["text"] if isinstance(doc, str) and doc.strip()]
     if not docs:
-        raise ValueError(f"Dataset {name!r} (split {split!r}) has no non-empty 'text' row")
+        where = f" (split {split!r})" if split else ""
+        raise ValueError(f"Dataset {name!r}{where} has no non-empty 'text' row")
     return docs
+
+
+def check_windows(windows: torch.Tensor, model: PreTrainedModel, name: str = "windows") -> torch.Tensor:
+    """``windows`` as int64 ``[N, L]`` token ids, N >= 1, 2 <= L <= the model's context (else a clear error)."""
+    if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.shape[0] < 1 or windows.shape[1] < 2:
+        shape = tuple(windows.shape) if isinstance(windows, torch.Tensor) else type(windows).__name__
+        raise ValueError(f"{name} must be a non-empty [N, L] tensor of token ids with L >= 2, got {shape}")
+    if windows.is_floating_point() or windows.is_complex() or windows.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integer token ids, got {windows.dtype}")
+    limit = max_context(model)
+    if windows.shape[1] > limit:
+        raise ValueError(f"{name} have {windows.shape[1]} tokens, more than the model's context of {limit} "
+                         "(max_position_embeddings): use shorter windows")
+    return windows.long()

@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 from focus_flex import routing
 from focus_flex.adapter import FocusAdapter
 from focus_flex.attention import default_kernel
+from focus_flex.data import check_windows
 
 MODES = ("full", "focus", "soft", "window", "random")
 WINDOW_ONLY = "focus_window_only"  # transformers attention implementation of the window-only baseline
@@ -223,8 +224,25 @@ def evaluate(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, *, 
     ``adapter`` must not be attached. ``window`` and ``random`` need ``focus`` (they match its measured density).
     """
     check_modes(modes)
-    cfg, n = adapter.config, windows.shape[1]
+    windows = check_windows(windows, model)
+    if any(getattr(m, "_focus", None) is not None for m in model.modules()):
+        raise RuntimeError("A Focus adapter is attached to this model, so 'full' would not be the model's own "
+                           "attention: detach it before evaluate() (which attaches each mode's adapter itself).")
     results: dict[str, ModeResult] = {}
+    was_training, mode = model.training, adapter.mode
+    model.eval()  # no dropout: every mode scores the same deterministic model
+    try:
+        _evaluate_modes(model, adapter, windows, modes, progress, results)
+    finally:
+        model.train(was_training)
+        adapter.mode = mode
+    return list(results.values())
+
+
+def _evaluate_modes(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, modes: tuple[str, ...],
+                    progress: bool, results: dict[str, ModeResult]) -> None:
+    """:func:`evaluate`'s runs, each into ``results``."""
+    cfg, n = adapter.config, windows.shape[1]
 
     def run(mode: str, density: float | None, balance: float | None, note: str = "", focus: FocusAdapter | None = None,
             fast: str = "fast") -> None:
@@ -239,7 +257,6 @@ def evaluate(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, *, 
         finally:
             if focus is not None:
                 focus.detach(model)
-                focus.mode = "fast"
         if meter is not None:
             measured, balance = meter.close()
             density = measured if density is None else density
@@ -265,7 +282,6 @@ def evaluate(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, *, 
             rnd = FocusAdapter(replace(cfg, window=w), rnd.centroids.detach())
             run("random", None, None, f"untrained random centroids (seed {RANDOM_SEED}), window {w} + "
                 f"{cfg.sink_tokens} sinks (matched to focus's density on the first window)", rnd)
-    return list(results.values())
 
 
 def random_window(model: nn.Module, random: FocusAdapter, windows: torch.Tensor, density: float,

@@ -50,6 +50,7 @@ from tqdm.auto import tqdm
 from focus_flex import routing
 from focus_flex.adapter import FocusAdapter
 from focus_flex.config import FocusConfig
+from focus_flex.data import check_windows
 
 CAPTURE = "focus_capture"  # transformers attention implementation that records q/k/v
 OBJECTIVES = ("distill", "lm")
@@ -456,15 +457,28 @@ def train(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, tc: Tr
     whose latest checkpoint is loaded (adapter, optimizer, step, history). The adapter must not be attached.
     """
     check_batch(tc.batch_size, rank_and_world()[1])
-    if windows.dim() != 2 or windows.shape[0] < 1:
-        raise ValueError(f"windows must be a non-empty [N, L] tensor of token ids, got {tuple(windows.shape)}")
-    was_training, trainable = model.training, [p.requires_grad for p in model.parameters()]
+    windows = check_windows(windows, model, "windows")
+    dev_windows = None if dev_windows is None else check_windows(dev_windows, model, "dev_windows")
+    cfg = adapter.config
+    if windows.shape[1] != tc.seq_len:
+        raise ValueError(f"windows have {windows.shape[1]} tokens but tc.seq_len is {tc.seq_len}: cut them to "
+                         f"seq_len (focus_flex.data.token_windows(docs, tokenizer, tc.seq_len)) or set seq_len")
+    if windows.shape[1] <= cfg.window + cfg.sink_tokens:
+        raise ValueError(f"windows of {windows.shape[1]} tokens <= window {cfg.window} + {cfg.sink_tokens} sinks: "
+                         "every pair is local, so there is nothing for the centroids to learn; use longer windows")
+    adapter.check_compatible(model)
+    if any(getattr(m, "_focus", None) is not None for m in model.modules()):
+        raise RuntimeError("A Focus adapter is attached to this model: detach it before training (train() attaches "
+                           "the adapter itself where the objective needs it).")
+    was_training, trainable, mode = model.training, [p.requires_grad for p in model.parameters()], adapter.mode
     try:
         return _train_frozen(model, adapter, windows, tc, dev_windows, output_dir, resume, progress, log)
-    finally:  # the model as it came: training mode and trainable parameters
+    finally:  # the model and adapter as they came: training mode, trainable parameters, attention mode
         model.train(was_training)
         for p, flag in zip(model.parameters(), trainable, strict=True):
             p.requires_grad_(flag)
+        adapter.mode = mode
+
 
 
 def _train_frozen(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, tc: TrainConfig,
@@ -542,5 +556,4 @@ def _train_frozen(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor
     finally:
         if lm_mode:
             adapter.detach(model)
-            adapter.mode = "fast"
     return history

@@ -359,6 +359,10 @@ def test_save_load_round_trip_is_bit_exact(tmp_path):
         adapter.detach(model)
         b = loaded.attach(model)(x).logits
     assert torch.equal(a, b)
+    adapter.config.extra["score"] = torch.tensor(1.0)  # not JSON: the save fails, the saved adapter stays whole
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        adapter.save_pretrained(tmp_path)
+    assert FocusAdapter.from_pretrained(tmp_path).config == loaded.config
 
 
 def test_mismatched_adapter_is_refused(tmp_path):

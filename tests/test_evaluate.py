@@ -104,6 +104,29 @@ def test_evaluate_all_modes_and_reports(tmp_path):
     assert open(paths[E.PLOT_PNG], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_evaluate_scores_the_model_itself_in_eval_mode_and_checks_its_inputs():
+    model = tiny_llama()
+    for m in model.modules():  # attention dropout: in training mode, "full" would be random
+        if hasattr(m, "attention_dropout"):
+            m.attention_dropout = 0.5
+    adapter = FocusAdapter.for_model(model, FocusConfig(num_groups=4, window=8))
+    windows = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(0))
+    model.train()
+    adapter.mode = "soft"
+    runs = [E.evaluate(model, adapter, windows.int(), modes=("full", "focus"), progress=False) for _ in range(2)]
+    assert runs[0][0].perplexity == runs[1][0].perplexity and model.training and adapter.mode == "soft"
+    model.eval()
+    assert E.evaluate(model, adapter, windows, modes=("full",), progress=False)[0].perplexity == runs[0][0].perplexity
+    adapter.attach(model)
+    with pytest.raises(RuntimeError, match="'full' would not be the model's own attention"):
+        E.evaluate(model, adapter, windows, modes=("full",), progress=False)
+    adapter.detach(model)
+    for bad, message in ((windows[:0], "non-empty"), (windows[:, :1], "L >= 2"), (windows[0], "non-empty"),
+                         (torch.zeros(1, 300, dtype=torch.long), "more than the model's context of 256")):
+        with pytest.raises(ValueError, match=message):
+            E.evaluate(model, adapter, bad, modes=("full",), progress=False)
+
+
 @pytest.mark.parametrize("baseline", ["window", "random"])
 def test_evaluate_rejects_a_baseline_without_focus(baseline):
     model = tiny_llama()

@@ -6,6 +6,7 @@ import importlib.metadata
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -100,6 +101,40 @@ def test_local_files_directories_and_globs(tmp_path):
     assert load_documents(str(tmp_path / "*.md")) == ["ignored by directory input"]
     (tmp_path / "bom.md").write_bytes("\ufeffWindows notepad\r\nline two".encode())  # a byte-order mark, CRLF
     assert load_documents(str(tmp_path / "bom.md")) == ["Windows notepad\nline two"]
+
+
+def test_local_data_files_and_saved_datasets_read_their_text_column(tmp_path):
+    rows = [{"text": "first document", "id": 1}, {"text": "", "id": 2}, {"text": "second\nline", "id": 3}]
+    expected = ["first document", "second\nline"]
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    table = datasets.Dataset.from_list(rows)
+    table.to_csv(str(tmp_path / "b.csv"))
+    table.to_parquet(str(tmp_path / "c.parquet"))
+    table.save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": table, "validation": table.select([2])}).save_to_disk(str(tmp_path / "splits"))
+    for name in ("a.jsonl", "b.csv", "c.parquet", "saved"):
+        assert load_documents(str(tmp_path / name)) == expected, name
+    assert load_documents(str(tmp_path / "splits"), split="validation") == ["second\nline"]
+    with pytest.raises(ValueError, match=r"splits \['train', 'validation'\], not 'eval'"):
+        load_documents(str(tmp_path / "splits"), split="eval")
+    (tmp_path / "d.json").write_text(json.dumps([{"body": "x"}]))
+    with pytest.raises(ValueError, match=r"no 'text' column; its columns are \['body'\]"):
+        load_documents(str(tmp_path / "d.json"))
+    (tmp_path / "e.txt").write_text("plain")
+    with pytest.raises(ValueError, match="mixes text files and data files"):
+        load_documents(str(tmp_path / "[ae].*"))
+
+
+def test_local_text_is_read_afresh_and_hidden_folders_are_skipped(tmp_path):
+    (tmp_path / ".ipynb_checkpoints").mkdir()
+    (tmp_path / ".ipynb_checkpoints" / "book.txt").write_text("an editor's copy")
+    book = tmp_path / "book.txt"
+    book.write_text("version one")
+    assert load_documents(str(tmp_path)) == ["version one"]
+    stamp = book.stat()
+    book.write_text("version TWO")  # same size, same modification time (as cp -p or tar x leave it)
+    os.utime(book, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert load_documents(str(tmp_path)) == ["version TWO"]
 
 
 def test_bad_local_data_raises_clear_errors(tmp_path):

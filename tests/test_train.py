@@ -223,6 +223,32 @@ def test_config_errors():
               windows(length=40), TrainConfig(steps=1, seq_len=40, query_samples=16), progress=False)
 
 
+def test_train_refuses_inputs_it_cannot_learn_from():
+    model = tiny_llama()
+    adapter = FocusAdapter.for_model(model, FOCUS)
+    tc = TrainConfig(steps=1, seq_len=48, query_samples=16)
+    for bad, message in ((windows(length=40), "windows have 40 tokens but tc.seq_len is 48"),
+                         (windows()[0], r"non-empty \[N, L\] tensor"), (windows().float(), "integer token ids"),
+                         (windows(length=300), "more than the model's context of 256")):
+        with pytest.raises(ValueError, match=message):
+            train(model, adapter, bad, TrainConfig(**{**tc.__dict__, "seq_len": bad.shape[-1]})
+                  if "seq_len" not in message else tc, progress=False)
+    short = FocusAdapter.for_model(model, FocusConfig(num_groups=4, window=46, sink_tokens=2))
+    with pytest.raises(ValueError, match=r"<= window 46 \+ 2 sinks: every pair is local"):
+        train(model, short, windows(), tc, progress=False)
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256))
+    with pytest.raises(ValueError, match="does not fit.*2 layers vs the model's 3"):
+        train(other, adapter, windows(), tc, progress=False)
+    adapter.attach(model)
+    with pytest.raises(RuntimeError, match="detach it before training"):
+        train(model, adapter, windows(), tc, progress=False)
+    adapter.detach(model)
+    adapter.mode = "reference"  # int32 ids train like int64; the adapter's mode comes back as it was
+    train(model, adapter, windows().int(), TrainConfig(**{**tc.__dict__, "objective": "lm"}), progress=False)
+    assert adapter.mode == "reference"
+
+
 def test_a_diverging_loss_stops_training_and_the_model_comes_back_as_it_was(monkeypatch):
     model = tiny_llama().train()
     real = T.accumulate_gradients
