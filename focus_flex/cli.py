@@ -95,12 +95,14 @@ def _eval_source(args: argparse.Namespace, training: bool = True) -> tuple[str |
 
 def _check_disjoint(train: str | None, train_split: str, held: str | None, held_split: str) -> None:
     """Training and evaluation text must not share a document (the protocol splits by whole documents)."""
-    from focus_flex.data import _is_path, _resolve_files, corpus_split
+    from focus_flex.data import _is_path, _resolve_files, _saved_dataset, corpus_split
 
-    def files(source: str | None, split: str) -> set[Path] | None:  # None: a dataset name
+    def files(source: str | None, split: str) -> set[Path] | None:  # None: a dataset (by name or saved), by split
         try:
             if source is None:
                 return {p.resolve() for p in corpus_split(split)}
+            if _saved_dataset(source):
+                return None
             return {p.resolve() for p in _resolve_files(source)} if _is_path(source) else None
         except (OSError, ValueError):  # reported when the data is read
             return set()
@@ -111,7 +113,8 @@ def _check_disjoint(train: str | None, train_split: str, held: str | None, held_
         raise CliError(f"the evaluation text shares {len(shared)} file(s) with the training text (e.g. "
                        f"{shared[0].name}): evaluate on whole documents never seen in training (--eval-data, "
                        f"--eval-split, --train-split)")
-    if a is None and b is None and train == held and train_split == held_split:
+    where = lambda source: Path(os.path.expanduser(source)).resolve()  # noqa: E731 (a saved dataset's folder)
+    if a is None and b is None and train_split == held_split and (train == held or where(train) == where(held)):
         raise CliError(f"--data and --eval-data are the same split {train_split!r} of {train!r}: evaluate on "
                        f"another split (--eval-split) or dataset")
 
@@ -343,8 +346,9 @@ def _add_common(p: argparse.ArgumentParser, training: bool) -> None:
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     g.add_argument("--data", default=None,
                    help=("training text" if training else "text to evaluate on (a dataset's evaluation split; all of "
-                         "a local path)") + ": a datasets name, a text file, a folder of *.txt or a glob "
-                        "(default: the shipped public-domain books)")
+                         "a local path)") + ": a datasets name, a text file, a folder of *.txt or a glob (one "
+                        "document per file), a .jsonl/.csv/.tsv/.parquet/.arrow file or a save_to_disk folder (its "
+                        "'text' column) (default: the shipped public-domain books)")
     g.add_argument("--eval-data", default=None,
                    help="held-out text, same forms as --data (default: the evaluation split of --data)")
     g.add_argument("--eval-split", default=None,

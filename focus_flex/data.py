@@ -25,9 +25,11 @@ Protocol (the same for training, evaluation and the benchmarks):
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import datasets
@@ -75,9 +77,8 @@ def load_documents(source: str | None = None, split: str = "train") -> list[str]
         return _load_files(corpus_split(split))
     if not _is_path(source):
         return _load_named(source, split)
-    path = Path(os.path.expanduser(source))
-    if path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()):
-        return _text_column(datasets.load_from_disk(str(path)), source, split)  # written by save_to_disk
+    if _saved_dataset(source):
+        return _text_column(datasets.load_from_disk(os.path.expanduser(source)), source, split)
     files = _resolve_files(source)
     builders = {DATA_FILES.get(f.suffix.lower()) for f in files}
     if builders == {None}:
@@ -88,8 +89,9 @@ def load_documents(source: str | None = None, split: str = "train") -> list[str]
     builder = builders.pop()
     extra = {"delimiter": "\t"} if builder == "csv" and files[0].suffix.lower() == ".tsv" else {}
     try:
-        ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", download_mode=FRESH,
-                                   **extra)
+        with _quiet():
+            ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
+                                       download_mode=FRESH, **extra)
     except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
         raise ValueError(f"Cannot read {source!r} as {builder} data: {e}") from e
     return _text_column(ds, source, None)
@@ -140,6 +142,24 @@ def _is_path(source: str) -> bool:
     )
 
 
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """No ``datasets`` progress bars while local files are read (a fraction of a second, at every load)."""
+    was = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was:
+            datasets.enable_progress_bars()
+
+
+def _saved_dataset(source: str) -> bool:
+    """Whether ``source`` is a folder written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``."""
+    path = Path(os.path.expanduser(source))
+    return path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file())
+
+
 def _resolve_files(source: str) -> list[Path]:
     path = Path(os.path.expanduser(source))
     if path.is_file():
@@ -166,8 +186,9 @@ def _load_files(files: list[Path]) -> list[str]:
     if unreadable:
         raise PermissionError(f"Cannot read {unreadable}")
     try:
-        ds = datasets.load_dataset("text", data_files=[str(f) for f in files], sample_by="document", split="train",
-                                   download_mode=FRESH)
+        with _quiet():
+            ds = datasets.load_dataset("text", data_files=[str(f) for f in files], sample_by="document",
+                                       split="train", download_mode=FRESH)
     except datasets.exceptions.DatasetGenerationError as e:
         raise ValueError(f"Cannot read the text files: {_first_bad_file(files) or e}") from e
     docs: list[str] = [d.removeprefix("\ufeff") for d in ds["text"]]  # a UTF-8 byte-order mark is not text

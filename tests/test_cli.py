@@ -118,6 +118,17 @@ def test_retrofit_errors_are_clear(tiny, tmp_path, capsys, args, message):
     assert message in capsys.readouterr().err
 
 
+def test_retrofit_refuses_one_split_of_a_saved_dataset_for_both(tiny, tmp_path, capsys):
+    import datasets
+
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_dict({"text": ["a training text", "another"]}).save_to_disk(str(saved))
+    argv = ["retrofit", *TINY, "--steps", "1", "--output-dir", str(tmp_path / "out"), "--model", str(tiny / "model"),
+            "--data", str(saved), "--eval-data", f"{saved}/", "--eval-split", "train"]
+    assert main(argv) == 2
+    assert "--data and --eval-data are the same split 'train'" in capsys.readouterr().err
+
+
 def test_retrofit_output_dir_holds_one_run(tiny, tmp_path, capsys):
     """A fresh run does not mix with an earlier run's checkpoints; --resume continues only the same settings; a
     run without evaluation leaves no results behind."""
