@@ -412,7 +412,7 @@ class _FocusState:
 
     def __deepcopy__(self, memo):
         raise RuntimeError("This model has a Focus adapter attached; detach it (adapter.detach(model)) before "
-                           "copying the model, then attach an adapter to each copy.")
+                           "copying or pickling the model, then attach an adapter to each copy.")
 
     __reduce_ex__ = __deepcopy__
 

@@ -260,7 +260,7 @@ def test_key_index_is_rebuilt_after_reorder_crop_and_routing_changes(monkeypatch
         adapter.config.layers = [1]
         model(nxt[:1])
     adapter.config.layers = [0, 1]
-    with pytest.raises(RuntimeError, match="detach it .* before copying the model"):
+    with pytest.raises(RuntimeError, match="detach it .* before copying or pickling the model"):
         copy.deepcopy(model)
 
 
