@@ -174,7 +174,8 @@ def test_capture_records_post_rope_qkv_without_changing_outputs():
 @pytest.mark.parametrize("key_top_k,scale", [(1, None), (2, None), (3, 0.2)])
 def test_distill_loss_is_the_output_error_of_hard_focus_attention(key_top_k, scale):
     """As routing sharpens, the loss -> relative squared error of reference Focus attention against full attention
-    (keys in several groups: a shared group counts fully; the layer's own score scale)."""
+    (keys in k > 1 groups: a far pair weighted min(1, shared groups / k), see the module docstring; the layer's own
+    score scale)."""
     torch.manual_seed(0)
     cfg = FocusConfig(num_groups=8, query_top_k=2, key_top_k=key_top_k, window=4, sink_tokens=1, tau=1e-6)
     q, k, v, c = torch.randn(1, 4, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(2, 8, 8)
@@ -183,7 +184,19 @@ def test_distill_loss_is_the_output_error_of_hard_focus_attention(key_top_k, sca
     focus = reference_attention(q, k, v, c, cfg, scale=scale)[:, :, idx]
     full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)[:, :, idx]
     expected = (focus - full).pow(2).sum((-1, -2)) / full.pow(2).sum((-1, -2))
-    assert err > 0.001 and torch.allclose(err, expected.mean(), rtol=1e-3)
+    qm, km = routing.hard_membership(q, c, 2), routing.hard_membership(k, c, key_top_k).repeat_interleave(2, 1)
+    shared = torch.stack([((qm[..., :, None] & km[..., None, :]) >> g) & 1 for g in range(8)]).sum(0)
+    i, j = torch.arange(32)[:, None], torch.arange(32)[None, :]
+    near = (i - j < 4) | (j < 1)  # window 4, 1 sink
+    keep = torch.where(near, 1.0, (shared / key_top_k).clamp_max(1.0))  # a far pair: min(1, shared / k)
+    keep = keep.masked_fill(~torch.ones(32, 32, dtype=torch.bool).tril(), 0.0)
+    logits = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(2, 1)) * (scale or 8 ** -0.5)
+    w = logits.masked_fill(~torch.ones(32, 32, dtype=torch.bool).tril(), float("-inf")).softmax(-1) * keep
+    soft_out = ((w / w.sum(-1, keepdim=True)) @ v.repeat_interleave(2, 1))[:, :, idx]
+    weighted = ((soft_out - full).pow(2).sum((-1, -2)) / full.pow(2).sum((-1, -2))).mean()
+    assert err > 0.001 and torch.allclose(err, weighted, rtol=1e-3)
+    if key_top_k == 1:  # then exactly the hard pattern's error
+        assert torch.allclose(err, expected.mean(), rtol=1e-3)
     p = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(2, 1)) * (scale or 8 ** -0.5)
     p = p.masked_fill(~torch.ones(32, 32, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
     kept = (p * focus_pattern(q, k, c, cfg))[:, :, idx].sum(-1)
