@@ -170,7 +170,7 @@ class FocusAdapter(nn.Module):
 
         self.check_compatible(model)
         check_base_model(self.config.base_model, getattr(model, "name_or_path", None))
-        if any(getattr(m, "_focus", None) is not None for m in model.modules()):
+        if has_focus(model):
             raise RuntimeError("A Focus adapter is already attached to this model; detach it first.")
         register()
         self.to(next(model.parameters()).device)
@@ -371,6 +371,11 @@ def _stop_focus(model: nn.Module) -> None:
     if entry[2] == 0:
         model.set_attn_implementation(entry[1])
         del _config_users[id(model.config)]
+
+
+def has_focus(model: nn.Module) -> bool:
+    """Whether a Focus adapter is attached to ``model`` (to any of its attention modules)."""
+    return any(getattr(m, "_focus", None) is not None for m in model.modules())
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:

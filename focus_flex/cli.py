@@ -189,6 +189,7 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
     from focus_flex.train import (
         CHECKPOINT_DIR,
         check_batch,
+        check_length,
         init_distributed,
         latest_checkpoint,
         model_checksum,
@@ -201,9 +202,10 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
     seed_everything(args.seed)
     _check_numbers(args)
     _check_modes(args.modes)
-    if args.seq_len <= args.window + args.sinks:
-        raise CliError(f"--seq-len {args.seq_len} <= --window {args.window} + --sinks {args.sinks}: every pair is "
-                       f"local, so there is nothing for the centroids to learn; use a longer --seq-len.")
+    try:
+        check_length(args.seq_len, args.window, args.sinks)
+    except ValueError as e:
+        raise CliError(f"--seq-len, --window, --sinks: {e}") from e
     if args.key_top_k >= args.groups:
         raise CliError(f"--key-top-k {args.key_top_k} with --groups {args.groups}: every key would join every group, "
                        f"which is full attention; pass a smaller --key-top-k (e.g. --key-top-k 1)")

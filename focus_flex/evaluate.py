@@ -37,7 +37,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from focus_flex import routing
-from focus_flex.adapter import FocusAdapter
+from focus_flex.adapter import FocusAdapter, has_focus
 from focus_flex.attention import default_kernel
 from focus_flex.data import check_windows
 
@@ -225,7 +225,7 @@ def evaluate(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, *, 
     """
     check_modes(modes)
     windows = check_windows(windows, model)
-    if any(getattr(m, "_focus", None) is not None for m in model.modules()):
+    if has_focus(model):
         raise RuntimeError("A Focus adapter is attached to this model, so 'full' would not be the model's own "
                            "attention: detach it before evaluate() (which attaches each mode's adapter itself).")
     results: dict[str, ModeResult] = {}

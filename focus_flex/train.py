@@ -53,7 +53,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from focus_flex import routing
-from focus_flex.adapter import FocusAdapter
+from focus_flex.adapter import FocusAdapter, has_focus
 from focus_flex.config import FocusConfig
 from focus_flex.data import check_windows
 
@@ -160,7 +160,7 @@ def capture_qkv(model: nn.Module) -> Iterator[QKV]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    if any(getattr(m, "_focus", None) is not None for m in model.modules()):
+    if has_focus(model):
         raise RuntimeError("A Focus adapter is attached: detach it to capture the model's own attention.")
     store: QKV = {}
 
@@ -446,6 +446,13 @@ def _check_resume(ckpt: str, state: dict[str, Any], saved: FocusConfig, focus: F
 # ---- the loop ------------------------------------------------------------------------------------
 
 
+def check_length(seq_len: int, window: int, sinks: int) -> None:
+    """Training sequences reach beyond window + sinks: otherwise no pair is far and the centroids learn nothing."""
+    if seq_len <= window + sinks:
+        raise ValueError(f"sequences of {seq_len} tokens <= window {window} + {sinks} sinks: every pair is local, "
+                         "so there is nothing for the centroids to learn; use longer sequences")
+
+
 def check_batch(batch_size: int, world: int) -> None:
     """The global batch splits evenly across the ``world`` processes."""
     if batch_size % world:
@@ -468,11 +475,9 @@ def train(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, tc: Tr
     if windows.shape[1] != tc.seq_len:
         raise ValueError(f"windows have {windows.shape[1]} tokens but tc.seq_len is {tc.seq_len}: cut them to "
                          f"seq_len (focus_flex.data.token_windows(docs, tokenizer, tc.seq_len)) or set seq_len")
-    if windows.shape[1] <= cfg.window + cfg.sink_tokens:
-        raise ValueError(f"windows of {windows.shape[1]} tokens <= window {cfg.window} + {cfg.sink_tokens} sinks: "
-                         "every pair is local, so there is nothing for the centroids to learn; use longer windows")
+    check_length(windows.shape[1], cfg.window, cfg.sink_tokens)
     adapter.check_compatible(model)
-    if any(getattr(m, "_focus", None) is not None for m in model.modules()):
+    if has_focus(model):
         raise RuntimeError("A Focus adapter is attached to this model: detach it before training (train() attaches "
                            "the adapter itself where the objective needs it).")
     was_training, trainable, mode = model.training, [p.requires_grad for p in model.parameters()], adapter.mode
@@ -483,7 +488,6 @@ def train(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, tc: Tr
         for p, flag in zip(model.parameters(), trainable, strict=True):
             p.requires_grad_(flag)
         adapter.mode = mode
-
 
 
 def _train_frozen(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor, tc: TrainConfig,
