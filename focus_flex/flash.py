@@ -29,6 +29,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from focus_flex import native
 from focus_flex.config import FocusConfig
 
 LOCAL_CHUNK = 64  # query positions per local chunk (measured at window 256: 64 beats 32 and 128)
@@ -234,6 +235,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_groups:
     rep = hq // hkv
     layout = torch.preserve_format if q.stride(-1) == 1 else torch.contiguous_format  # rows of D: see _rows
     out = (torch.empty_like if bool(valid.all()) else torch.zeros_like)(q, memory_format=layout)  # padded rows: 0
+    fused, threads = native.prefill_applies(q, k, v), torch.get_num_threads()
     for i in range(b):
         keys = valid[i].nonzero()[:, 0]
         queries = valid[i, lk - lq:].nonzero()[:, 0]
@@ -246,12 +248,18 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_groups:
             qj, kj, vj, qg, kg = q[i, hs], k[i, j], v[i, j], q_groups[i, hs], k_groups[i, j]
             if not dense:  # drop the padding: positions become indices
                 qj, qg, kj, vj, kg = qj[:, queries], qg[:, queries], kj[keys], vj[keys], kg[keys]
-            # Accumulate in the output itself where its layout allows: no float32 copy of a head's result. The flash
-            # calls return the input dtype anyway; a merge sums in float32 and rounds once (query top-1: one merge).
-            direct = dense and m % LOCAL_CHUNK == 0
-            res, lse = local_part(qj, kj, vj, n - m, config, scale, out[i, hs] if direct else None)
-            far_part(qj, kj, vj, far_plan(qg, kg, n - m, config), scale, res, lse.reshape(rep * m))
-            if not direct:
+            # Where the output's layout allows, write into it: no float32 copy of a head's result (the PyTorch parts
+            # merge in float32 and round once; with query top-1, a row is merged once).
+            in_place = dense and (fused or m % LOCAL_CHUNK == 0)
+            res = out[i, hs] if in_place else None
+            if fused:  # the C kernel: both parts
+                res = torch.empty_like(qj) if res is None else res
+                native.prefill(qj, kj, vj, native.prefill_plan(qg, kg, config), config, scale, res, threads)
+            else:
+                res, lse = local_part(qj, kj, vj, n - m, config, scale, res)
+                far_part(qj, kj, vj, far_plan(qg, kg, n - m, config), scale, res, lse.reshape(rep * m))
+                del lse
+            if not in_place:
                 out[i, hs, queries] = res.to(q.dtype)
-            del res, lse  # before the next head allocates its own
+            del res  # before the next head allocates its own
     return out

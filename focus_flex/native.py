@@ -1,10 +1,15 @@
-"""The C decode step (``csrc/decode_step.c``): built with the system C compiler on first use, called with ctypes.
+"""The C kernels (``csrc/*.c``): built with the system C compiler on first use, called with ctypes.
 
-A default decode step (one query, top-1 query routing) is a few dozen small tensor ops per layer in PyTorch; in C it
-is one call that reads each selected key and value row once, in place, on the caller's threads (OpenMP: with a
-PyTorch that ships GNU OpenMP, the C code joins PyTorch's own thread pool). The library is compiled once per source
-version and compiler into focus_flex's cache (:func:`focus_flex.config.cache_dir`), in about a second. Without a C
-compiler, or with ``FOCUS_FLEX_NATIVE=0``, decode runs the PyTorch path instead (same results, slower), after one
+* ``decode_step.c`` — a default decode step (one query, top-1 query routing) is a few dozen small tensor ops per
+  layer in PyTorch; in C it is one call that reads each selected key and value row once, in place.
+* ``prefill.c`` — a prefill for one sequence and KV head: the window + sinks pass and the same-group pass fused, each
+  pair computed once in registers, merged in place; its only buffers are a log-sum-exp per row, the far plan's
+  integer lists and a few tiles per thread.
+
+Both run on the caller's threads (OpenMP: with a PyTorch that ships GNU OpenMP, the C code joins PyTorch's own thread
+pool). The library is compiled once per source version, compiler and CPU into focus_flex's cache
+(:func:`focus_flex.config.cache_dir`), in a few seconds, for this CPU's vector instructions. Without a C compiler, or
+with ``FOCUS_FLEX_NATIVE=0``, the same attention runs on PyTorch ops instead (same results, slower), after one
 warning that says why.
 """
 
@@ -19,39 +24,55 @@ import subprocess
 import tempfile
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
-from focus_flex.config import cache_dir
+from focus_flex.config import FocusConfig, cache_dir
 
 if TYPE_CHECKING:
     from focus_flex.decode import KeyIndex
 
-SOURCE = Path(__file__).with_name("csrc") / "decode_step.c"
-FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC")
+SOURCES = tuple(sorted((Path(__file__).with_name("csrc")).glob("*.c")))
+# -ffp-contract=fast: fused multiply-adds (ISO C mode turns them off). Tried in order: for this CPU's vector
+# instructions with OpenMP, then portable with OpenMP, then portable on one thread.
+FLAGS = ("-O3", "-std=c11", "-ffp-contract=fast", "-shared", "-fPIC")
+VARIANTS = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
 DTYPES = (torch.float32, torch.bfloat16)
-_P, _I = ctypes.c_void_p, ctypes.c_int64
-_ARGS = (_I, _I, _I, _P, _P, ctypes.c_float, _P, _P, _I, _P, _P, _I, ctypes.c_int, _P, _P, _P, _I, _I, _I, _I,
-         ctypes.c_int, _P)
+PREFILL_MAX_D = 256  # prefill.c: head dims up to this, multiples of 16
+_P, _I, _F, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_DECODE_ARGS = (_I, _I, _I, _P, _P, _F, _P, _P, _I, _P, _P, _I, _N, _P, _P, _P, _I, _I, _I, _I, _N, _P)
+_PLAN_ARGS = (_I, _I, _I, _I, _I, _I, _P, _I, _P, _I) + (_P,) * 7
+_PREFILL_ARGS = (_I, _I, _I, _I, _P, _I, _I, _P, _I, _P, _I, _P, _I, _I, _N, _F, _I, _I, _I, _I) + (_P,) * 7 + (_N, _P)
+
+
+def _cpu() -> bytes:
+    """This CPU's instruction-set flags (Linux), so that a cache shared between machines builds per CPU."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return b""
+    return next((line for line in info.splitlines() if line.startswith(("flags", "Features"))), "").encode()
 
 
 def build(compiler: str | None = None, directory: Path | None = None) -> Path:
-    """Compile the decode step into a shared library (reused if this source was built with this compiler before).
+    """Compile the kernels into one shared library (reused if these sources were built with this compiler for this
+    CPU before).
 
-    Tries with OpenMP first, then without (one thread). Raises ``RuntimeError`` with the compiler's message if both
-    fail, or if no compiler is found (set ``CC`` to choose one).
+    Tries the :data:`VARIANTS` of flags in order. Raises ``RuntimeError`` with the compiler's message if all fail,
+    or if no compiler is found (set ``CC`` to choose one).
     """
     cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not cc:
         raise RuntimeError("no C compiler found (looked for $CC, cc, gcc, clang)")
     directory = directory or cache_dir()
-    source = SOURCE.read_bytes()
-    builds = []  # (flags, library file): with OpenMP, else one thread
-    for flags in (FLAGS + ("-fopenmp",), FLAGS):
+    source = b"".join(path.read_bytes() for path in SOURCES) + _cpu()
+    builds = []  # (flags, library file), best first
+    for variant in VARIANTS:
+        flags = FLAGS + variant
         key = hashlib.sha256(source + repr((cc, flags)).encode()).hexdigest()[:16]
-        builds.append((flags, directory / f"decode_step-{key}.so"))
+        builds.append((flags, directory / f"focus_native-{key}.so"))
     for _, target in builds:
         if target.exists():
             return target
@@ -61,7 +82,7 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)  # built aside, then renamed: concurrent builds are safe
         os.close(fd)
         try:
-            done = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+            done = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
         except OSError as e:
             os.unlink(tmp)
             raise RuntimeError(f"cannot run the C compiler {cc!r}: {e}") from e
@@ -70,22 +91,25 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
             return target
         os.unlink(tmp)
         errors.append(done.stderr.strip()[-600:])
-    raise RuntimeError(f"{cc} could not compile {SOURCE.name}: {errors[-1]}")
+    raise RuntimeError(f"{cc} could not compile {', '.join(path.name for path in SOURCES)}: {errors[-1]}")
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The loaded decode step, or None (with one warning) where it cannot be built or ``FOCUS_FLEX_NATIVE=0``."""
+    """The loaded kernels, or None (with one warning) where they cannot be built or ``FOCUS_FLEX_NATIVE=0``."""
     if os.environ.get("FOCUS_FLEX_NATIVE", "1") == "0":
         return None
     try:
         lib = ctypes.CDLL(str(build()))
     except (RuntimeError, OSError) as e:
-        warnings.warn(f"focus_flex: the C decode step is unavailable ({e}); decode uses the slower PyTorch path. "
+        warnings.warn(f"focus_flex: the C kernels are unavailable ({e}); prefill and decode use the slower PyTorch "
+                      "path. "
                       "Install a C compiler (e.g. gcc) or set FOCUS_FLEX_NATIVE=0 to silence this.", RuntimeWarning,
                       stacklevel=3)
         return None
-    lib.focus_decode_step.argtypes, lib.focus_decode_step.restype = _ARGS, ctypes.c_int
+    lib.focus_decode_step.argtypes, lib.focus_decode_step.restype = _DECODE_ARGS, ctypes.c_int
+    lib.focus_prefill_plan.argtypes, lib.focus_prefill_plan.restype = _PLAN_ARGS, ctypes.c_int
+    lib.focus_prefill.argtypes, lib.focus_prefill.restype = _PREFILL_ARGS, ctypes.c_int
     return lib
 
 
@@ -118,7 +142,78 @@ def decode_step(q: torch.Tensor, groups: torch.Tensor, scale: float, k: torch.Te
         rows, d, rows // (b * hkv), q.data_ptr(), groups.data_ptr(), scale, k.data_ptr(), k_at.ctypes.data, k.stride(2),
         v.data_ptr(), v_at.ctypes.data, v.stride(2), k.dtype == torch.bfloat16, pool.ctypes.data, starts.ctypes.data,
         counts.ctypes.data, index.num_groups, sinks, end, lk, max(1, threads), out.data_ptr())
-    if code:
-        raise (MemoryError if code == 1 else ValueError)(f"the C decode step failed (code {code}): "
-                                                         f"{'out of memory' if code == 1 else 'bad arguments'}")
+    _check(code, "decode step")
     return out
+
+
+def prefill_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether :func:`prefill` can run: the library built, CPU tensors of one dtype in :data:`DTYPES`, rows of the
+    head dim contiguous, a head dim that is a multiple of 16 up to :data:`PREFILL_MAX_D`."""
+    d = q.shape[-1]
+    return (applies(k, v) and q.device.type == "cpu" and q.dtype == k.dtype and q.stride(-1) == 1
+            and d % 16 == 0 and d <= PREFILL_MAX_D and library() is not None)
+
+
+class PrefillPlan(NamedTuple):
+    """The far plan of one sequence and KV head (``csrc/prefill.c``: ``focus_prefill_plan``): O(N) integer lists.
+
+    Each group's keys past the sinks, ascending (``klist[kstart[g]:kstart[g + 1]]``); each group's query copies that
+    see a far key, ascending by position, as (flat row ``head * Lq + query``, number of its group's keys it sees)
+    (``crow``/``chi``, from ``cstart[g]``); and tiles of them, ``tiles[ctiles[g]:ctiles[g + 1]]`` as ``[c0, c1)``.
+    """
+
+    kstart: torch.Tensor  # [G + 1] int64
+    klist: torch.Tensor  # [Lk * kk] int32
+    cstart: torch.Tensor  # [G + 1] int64
+    crow: torch.Tensor  # [R * Lq * kq] int32
+    chi: torch.Tensor  # [R * Lq * kq] int32
+    ctiles: torch.Tensor  # [G + 1] int64
+    tiles: torch.Tensor  # [R * Lq * kq, 2] int32
+    query_top_k: int
+
+    @property
+    def pairs(self) -> int:
+        """Far (query, key) pairs the plan allows (copies without far keys are left 0)."""
+        return int(self.chi.long().sum())
+
+
+def prefill_plan(q_groups: torch.Tensor, k_groups: torch.Tensor, config: FocusConfig) -> PrefillPlan:
+    """The far plan for queries routed to ``q_groups`` ``[R, Lq, kq]`` (positions ``[Lk - Lq, Lk)``) and keys routed
+    to ``k_groups`` ``[Lk, kk]``, one unpadded sequence and KV head. Needs :func:`library`."""
+    (r, lq, kq), (lk, kk), g = q_groups.shape, k_groups.shape, config.num_groups
+    qg, kg = q_groups.long().contiguous(), k_groups.long().contiguous()
+    copies = r * lq * kq
+    plan = PrefillPlan(torch.empty(g + 1, dtype=torch.long), torch.empty(lk * kk, dtype=torch.int32),
+                       torch.empty(g + 1, dtype=torch.long), torch.zeros(copies, dtype=torch.int32),
+                       torch.zeros(copies, dtype=torch.int32), torch.empty(g + 1, dtype=torch.long),
+                       torch.empty(copies, 2, dtype=torch.int32), kq)
+    code = library().focus_prefill_plan(r, lq, lk, config.window, config.sink_tokens, g, qg.data_ptr(), kq,
+                                        kg.data_ptr(), kk, *(x.data_ptr() for x in plan[:7]))
+    _check(code, "prefill plan")
+    return plan
+
+
+def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PrefillPlan, config: FocusConfig, scale: float,
+            out: torch.Tensor, threads: int) -> None:
+    """Focus attention of one unpadded sequence and KV head, written into ``out``.
+
+    q and out ``[R, Lq, D]`` (the query heads of the KV head; rows of D contiguous, any head/position strides),
+    k/v ``[Lk, D]``, queries at positions ``[Lk - Lq, Lk)``; ``plan`` from :func:`prefill_plan` (at most one shared
+    group per pair: query or key top-k 1). :func:`prefill_applies` must hold.
+    """
+    r, lq, d = q.shape
+    if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must match q {tuple(q.shape)} {q.dtype}, rows contiguous")
+    lse = torch.empty(r * lq)
+    code = library().focus_prefill(
+        r, lq, k.shape[0], d, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), v.data_ptr(),
+        v.stride(0), out.data_ptr(), out.stride(0), out.stride(1), q.dtype == torch.bfloat16, scale, config.window,
+        config.sink_tokens, config.num_groups, plan.query_top_k, *(x.data_ptr() for x in plan[:7]), max(1, threads),
+        lse.data_ptr())
+    _check(code, "prefill")
+
+
+def _check(code: int, name: str) -> None:
+    if code:
+        raise (MemoryError if code == 1 else ValueError)(f"the C {name} failed (code {code}): "
+                                                         f"{'out of memory' if code == 1 else 'bad arguments'}")

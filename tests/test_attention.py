@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from focus_flex import FocusConfig, flash, focus_attention, reference_attention, routing, soft_attention
+from focus_flex import FocusConfig, flash, focus_attention, native, reference_attention, routing, soft_attention
 from focus_flex.attention import bucket, causal_blocks, focus_pattern, plan_attention
 from focus_flex.decode import KeyIndex
 
@@ -47,10 +47,30 @@ CASES = [
 ]
 
 
-KERNELS = ["flex", "flash"]
+KERNELS = ["flex", "flash", "flash-torch"]
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+def use_kernel(name, monkeypatch):
+    """The ``kernel=`` argument for a test of kernel ``name``: compiled flex, the flash kernel in C (which must build
+    here), or ``flash-torch``, the chunks of PyTorch's flash attention that replace it where it cannot run."""
+    if name == "flash":
+        assert native.library() is not None, "the C kernels did not build"
+    if name == "flash-torch":
+        monkeypatch.setattr(native, "prefill_applies", lambda *args: False)
+        return "flash"
+    return name
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request, monkeypatch):
+    return use_kernel(request.param, monkeypatch)
+
+
+@pytest.fixture(params=["flash", "flash-torch"])
+def flash_kernel(request, monkeypatch):
+    return use_kernel(request.param, monkeypatch)
+
+
 @pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
 def test_fast_path_matches_reference_fp32(case, kernel):
     b, hq, hkv, lq, lk, kq, kk, w, s, pad = case
@@ -77,7 +97,6 @@ def test_fast_path_matches_reference_fp32(case, kernel):
     assert all(max_diff(a, b) <= 1e-5 for a, b in zip(got, want, strict=True))
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 def test_fast_path_matches_reference_bf16(kernel):
     cfg = FocusConfig(num_groups=4, query_top_k=2, window=16, sink_tokens=2, block_size=32)
     q, k, v, c, mask = make(2, 4, 2, 77, 77, dtype=torch.bfloat16, pad=13)
@@ -98,9 +117,9 @@ FLASH_CASES = [
 
 @pytest.mark.parametrize("chunks", [(16, 8, 3, 20), (128, 256, 512, 4096)], ids=["tiny chunks", "large chunks"])
 @pytest.mark.parametrize("case", FLASH_CASES, ids=[str(c) for c in FLASH_CASES])
-def test_flash_kernel_over_many_chunks(case, chunks, monkeypatch):
-    """The flash kernel's chunking (first chunks near the sinks, staircase tails of far chunks, blocks of far copies
-    merged at a time) is exact."""
+def test_flash_kernel_over_many_chunks(case, chunks, flash_kernel, monkeypatch):
+    """The flash kernel's tiles (the C kernel's: its sizes are fixed) and chunks (the PyTorch parts': first chunks
+    near the sinks, staircase tails of far chunks, blocks of far copies merged at a time) are exact."""
     for name, value in zip(("LOCAL_CHUNK", "FAR_CHUNK", "FAR_TAIL", "FAR_BLOCK"), chunks, strict=True):
         monkeypatch.setattr(flash, name, value)
     b, hq, hkv, lq, lk, kq, kk, w, s, pad, g = case
@@ -113,7 +132,6 @@ def test_flash_kernel_over_many_chunks(case, chunks, monkeypatch):
     assert out.dtype == torch.bfloat16 and max_diff(out, ref) <= 2e-2
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 def test_groups_nobody_routes_to(kernel):
     """Every query and key points away from centroids 2 and 5: empty groups, the last one among them, must not trip
     the plans."""
@@ -130,7 +148,7 @@ def test_groups_nobody_routes_to(kernel):
     assert max_diff(out, reference_attention(q, k, v, c, cfg)) <= 1e-4
 
 
-def test_flash_far_chunks_bound_the_staircase_where_keys_crowd_one_group():
+def test_flash_far_chunks_bound_the_staircase_where_keys_crowd_one_group(flash_kernel):
     """Real routing can send most keys but few queries to one group: a far chunk of FAR_CHUNK rows would then see
     thousands of keys under its staircase mask (at 16K tokens a 231 MB mask template, most of it masked). Chunks are
     cut so that no tail is wider than FAR_TAIL; the result stays exact."""
@@ -156,7 +174,7 @@ def test_flash_far_chunks_bound_the_staircase_where_keys_crowd_one_group():
     assert max_diff(focus_attention(q, k, v, c, cfg, kernel="flash"), reference_attention(q, k, v, c, cfg)) <= 1e-4
 
 
-def test_flash_kernel_takes_strided_inputs():
+def test_flash_kernel_takes_strided_inputs(flash_kernel):
     """transformers hands attention ``[B, L, H, D]`` projections transposed to ``[B, H, L, D]`` (not contiguous)."""
     cfg = FocusConfig(num_groups=4, window=16, sink_tokens=2)
     gen = torch.Generator().manual_seed(2)
@@ -364,21 +382,22 @@ def test_groups_actually_matter():
     assert max_diff(reference_attention(q, k, v, c, cfg), full) > 1e-2
 
 
-@pytest.mark.parametrize("path", ["reference", "flex", "flash"])
-def test_window_covering_sequence_is_full_causal_attention(path):
+@pytest.mark.parametrize("path", ["reference", *KERNELS])
+def test_window_covering_sequence_is_full_causal_attention(path, monkeypatch):
     cfg = FocusConfig(num_groups=4, window=128, sink_tokens=0, block_size=32)
     q, k, v, c, _ = make(2, 4, 2, 100, 100)
-    fn = reference_attention if path == "reference" else functools.partial(focus_attention, kernel=path)
+    fn = reference_attention if path == "reference" else functools.partial(
+        focus_attention, kernel=use_kernel(path, monkeypatch))
     full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     assert max_diff(fn(q, k, v, c, cfg), full) <= 1e-5
 
 
-@pytest.mark.parametrize("path", ["flex", "flash", "soft"])
-def test_causality(path):
+@pytest.mark.parametrize("path", [*KERNELS, "soft"])
+def test_causality(path, monkeypatch):
     """Changing tokens after position t never changes outputs at positions <= t."""
     cfg = FocusConfig(num_groups=4, query_top_k=2, window=8, sink_tokens=2, block_size=32)
     q, k, v, c, _ = make(1, 4, 2, 96, 96)
-    fn = soft_attention if path == "soft" else functools.partial(focus_attention, kernel=path)
+    fn = soft_attention if path == "soft" else functools.partial(focus_attention, kernel=use_kernel(path, monkeypatch))
     before = fn(q, k, v, c, cfg)
     t = 50
     q2, k2, v2 = q.clone(), k.clone(), v.clone()

@@ -1,4 +1,5 @@
-"""The C decode step: the same rows as the PyTorch step and the reference, its build, and its fallback."""
+"""The C kernels: the decode step against the PyTorch step and the reference, the prefill against the reference and
+the PyTorch plan, their build, and the fallback."""
 
 import os
 import shutil
@@ -8,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from focus_flex import FocusConfig, native, reference_attention, routing
+from focus_flex import FocusConfig, flash, focus_attention, native, reference_attention, routing
 from focus_flex.decode import KeyIndex, _far_end, _one_group_attention
 
 
@@ -71,18 +72,23 @@ STEP = """if True:
     k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
     index = KeyIndex(1, 2, 4, "cpu")
     index.extend(k, c, cfg)
+    qs = torch.randn(1, 4, 40, 16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
             out = focus_attention(q, k, v, c, cfg, key_index=index)
-    print((out - reference_attention(q, k, v, c, cfg)).abs().max().item() < 1e-5, [str(w.message) for w in caught])
+            prefill = focus_attention(qs, k, v, c, cfg)
+    exact = max((out - reference_attention(q, k, v, c, cfg)).abs().max().item(),
+                (prefill - reference_attention(qs, k, v, c, cfg)).abs().max().item()) < 1e-5
+    print(exact, [str(w.message) for w in caught])
 """
 
 
 @pytest.mark.parametrize("case", ["no compiler", "no OpenMP", "switched off"])
-def test_without_the_c_step_or_openmp_decode_is_still_exact(case, tmp_path):
-    """No compiler: one warning that says why and how to fix it, then the PyTorch path. A compiler without OpenMP:
-    the C step on one thread, silently (it is still the fast path). Switched off: the PyTorch path, no warning."""
+def test_without_the_c_kernels_or_openmp_attention_is_still_exact(case, tmp_path):
+    """Decode and prefill. No compiler: one warning that says why and how to fix it, then the PyTorch path. A compiler
+    without OpenMP: the C kernels on one thread, silently (still the fast path). Switched off: the PyTorch path, no
+    warning."""
     cc = tmp_path / "cc-without-openmp"
     cc.write_text(f'#!/bin/sh\ncase "$*" in *-fopenmp*) echo "no OpenMP here" >&2; exit 1;; esac\n'
                   f'exec {shutil.which("cc") or shutil.which("gcc")} "$@"\n')
@@ -97,8 +103,64 @@ def test_without_the_c_step_or_openmp_decode_is_still_exact(case, tmp_path):
     assert exact == "True"
     built = sorted(p.name for p in cache.glob("*.so")) if cache.exists() else []
     if case == "no compiler":
-        assert warned.count("C decode step is unavailable") == 1 and "/no/such/cc" in warned
+        assert warned.count("C kernels are unavailable") == 1 and "/no/such/cc" in warned
         assert built == []
     else:
         assert warned == "[]"
         assert len(built) == (case == "no OpenMP")
+
+
+PREFILL_CASES = [
+    # (R, Lq, Lk, D, top-k q, top-k k, window, sinks, groups)
+    (3, 700, 700, 64, 1, 1, 100, 4, 8),  # SmolLM2's head dim, tiles of both passes, a partial last tile
+    (2, 300, 650, 128, 2, 1, 64, 70, 4),  # chunked prefill, a query in two groups, more sinks than a key block
+    (1, 500, 500, 256, 1, 3, 256, 0, 8),  # the largest head dim, a key in three groups, no sinks
+    (4, 33, 33, 16, 1, 1, 1, 1, 2),  # window 1: each query's far keys are all its group's earlier keys
+]
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=[str(c) for c in PREFILL_CASES])
+def test_c_prefill_equals_reference(case, dtype, threads):
+    """The fused prefill of one sequence and KV head, written into a strided output (q's ``[L, H, D]`` layout)."""
+    r, lq, lk, d, kq, kk, w, s, g = case
+    cfg = FocusConfig(num_groups=g, query_top_k=kq, key_top_k=kk, window=w, sink_tokens=s)
+    gen = torch.Generator().manual_seed(lq)
+    q = torch.randn(1, lq, r, d, generator=gen).to(dtype).transpose(1, 2)  # [1, R, Lq, D], positions outermost
+    k, v = (torch.randn(1, 1, lk, d, generator=gen).to(dtype) for _ in range(2))
+    c = torch.randn(1, g, d, generator=gen)
+    qg, kg = routing.hard_groups(q, c, kq)[0], routing.hard_groups(k, c, kk)[0, 0]
+    plan = native.prefill_plan(qg, kg, cfg)
+    torch_plan = flash.far_plan(qg, kg, lk - lq, cfg)
+    assert plan.pairs == torch_plan.pairs > 0  # the same far pairs as the PyTorch plan's
+    out = torch.full_like(q, float("nan"))
+    native.prefill(q[0], k[0, 0], v[0, 0], plan, cfg, d ** -0.5, out[0], threads)
+    ref = reference_attention(q.float(), k.float(), v.float(), c, cfg)
+    assert out.dtype == dtype and max_diff(out, ref) <= (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_c_prefill_rejects_bad_arguments():
+    cfg = FocusConfig(num_groups=3, window=8, sink_tokens=2)
+    with pytest.raises(ValueError, match="prefill plan failed .*bad arguments"):
+        native.prefill_plan(torch.tensor([[[0], [3]]]), torch.zeros(2, 1, dtype=torch.long), cfg)  # group 3 of 3
+    q, k = torch.randn(1, 10, 16), torch.randn(10, 16)
+    plan = native.prefill_plan(torch.zeros(1, 10, 1, dtype=torch.long), torch.zeros(10, 1, dtype=torch.long), cfg)
+    with pytest.raises(ValueError, match="out .* must match q"):
+        native.prefill(q, k, k, plan, cfg, 1.0, torch.empty(1, 10, 16, dtype=torch.bfloat16), 1)
+
+
+@pytest.mark.parametrize("dtype, d", [(torch.float16, 16), (torch.float32, 24), (torch.float32, 272)])
+def test_prefill_the_c_kernel_cannot_run_takes_the_pytorch_path(dtype, d):
+    """float16, a head dim that is not a multiple of 16 or above 256: the PyTorch flash path, still exact."""
+    cfg = FocusConfig(num_groups=4, window=16, sink_tokens=2)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, 200, d, generator=gen).to(dtype) for h in (2, 1, 1))
+    c = torch.randn(1, 4, d, generator=gen)
+    assert not native.prefill_applies(q, k, v)
+    ref = reference_attention(q.float(), k.float(), v.float(), c, cfg)
+    assert max_diff(focus_attention(q, k, v, c, cfg, kernel="flash"), ref) <= (1e-4 if dtype == torch.float32 else 5e-3)
+
+
+def max_diff(a, b):
+    return (a.float() - b.float()).abs().max().item()

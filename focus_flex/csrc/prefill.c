@@ -13,8 +13,7 @@
    dimension, the mask of a key is one compare against per-row bounds, and the online softmax needs no horizontal
    reductions. Keys are taken in blocks of KB: scores, masked maximum, exponentials, then P V with rows broadcast.
    Scores, sums and outputs are float32; q, k, v and out are float32 or bfloat16 (rounded once per pass). Threads:
-   OpenMP over tiles (joining PyTorch's pool when both use GNU OpenMP). Built and called by focus_flex/native.py;
-   returns 0, 1 when out of memory, 2 on a bad argument. */
+   OpenMP over tiles (joining PyTorch's pool when both use GNU OpenMP). Built and called by focus_flex/native.py. */
 
 #include <math.h>
 #include <stdint.h>
@@ -104,7 +103,17 @@ static void gather(const run_t *c, work_t *w, const int32_t *pos, int n) {
     }
 }
 
+/* Prefetch the d elements of a row (q and out rows of a far tile are scattered: let their misses overlap). */
+static void prefetch_row(const run_t *c, const void *base, int64_t at, int write) {
+    const char *p = (const char *)base + at * (c->bf16 ? 2 : 4);
+    for (int64_t o = 0; o < c->d * (c->bf16 ? 2 : 4); o += 64) write ? __builtin_prefetch(p + o, 1) : __builtin_prefetch(p + o);
+}
+
 static void start_tile(const run_t *c, work_t *w, const int64_t *rows, int n) {
+    for (int i = 0; i < n; i++) {
+        prefetch_row(c, c->q, rows[i] / c->lq * c->q_hs + rows[i] % c->lq * c->q_ps, 0);
+        prefetch_row(c, c->out, rows[i] / c->lq * c->o_hs + rows[i] % c->lq * c->o_ps, 1);
+    }
     for (int i = 0; i < NR; i++) {
         int64_t at = rows[i] / c->lq * c->q_hs + rows[i] % c->lq * c->q_ps;
         for (int64_t e = 0; e < c->d; e++) w->qt[e * NR + i] = i < n ? load(c, c->q, at + e) * c->scale : 0.f;
@@ -242,91 +251,93 @@ static void far_tile(const run_t *c, work_t *w, const int32_t *rows32, const int
     finish_tile(c, w, rows, n, 1);
 }
 
-static void *alloc_work(void) {
-    size_t size = (sizeof(work_t) + 63) / 64 * 64;
-    return aligned_alloc(64, size);
-}
-
-int focus_prefill(int64_t r, int64_t lq, int64_t lk, int64_t d, const void *q, int64_t q_hs, int64_t q_ps,
-                  const void *k, int64_t k_ps, const void *v, int64_t v_ps, void *out, int64_t o_hs, int64_t o_ps,
-                  int bf16, float scale, int64_t start, int64_t window, int64_t sinks, int64_t groups_n,
-                  const int64_t *q_groups, int64_t kq, const int64_t *k_groups, int64_t kk, int threads,
-                  float *lse) {
-    if (r < 1 || lq < 1 || lk < lq || d < W || d > MAX_D || d % W || window < 1 || sinks < 0 || groups_n < 1 ||
-        kq < 1 || kk < 1 || start != lk - lq || threads < 1 || lk >= NONE || r * lq * kq >= NONE)
+/* The far plan of one sequence and KV head, into the caller's arrays (sizes in focus_flex/native.py):
+   kstart [G + 1], klist [lk * kk]: each group's keys past the sinks, ascending (counting sort);
+   cstart [G + 1], crow/chi [r * lq * kq]: each group's query copies that see a far key, ascending by position, as
+   (row, key prefix); ctiles [G + 1], tiles [2 * r * lq * kq]: runs of at most NR copies of a group whose prefixes
+   differ by at most FAR_TAIL keys, [c0, c1) into crow. Returns 0, or 2 on a bad argument. */
+int focus_prefill_plan(int64_t r, int64_t lq, int64_t lk, int64_t window, int64_t sinks, int64_t groups_n,
+                       const int64_t *q_groups, int64_t kq, const int64_t *k_groups, int64_t kk, int64_t *kstart,
+                       int32_t *klist, int64_t *cstart, int32_t *crow, int32_t *chi, int64_t *ctiles,
+                       int32_t *tiles) {
+    if (r < 1 || lq < 1 || lk < lq || window < 1 || sinks < 0 || groups_n < 1 || kq < 1 || kk < 1 || lk >= NONE ||
+        r * lq * kq >= NONE)
         return 2;
     for (int64_t i = 0; i < r * lq * kq; i++)
         if (q_groups[i] < 0 || q_groups[i] >= groups_n) return 2;
     for (int64_t i = 0; i < lk * kk; i++)
         if (k_groups[i] < 0 || k_groups[i] >= groups_n) return 2;
-    run_t c = {r, lq, lk, d, q, k, v, out, q_hs, q_ps, k_ps, v_ps, o_hs, o_ps, bf16, scale, start, window, sinks, lse};
-
-    /* The far plan: key lists and query copy lists per group (counting sorts), each copy's key prefix. */
-    int64_t *kstart = calloc(groups_n + 1, sizeof(int64_t)), *cstart = calloc(groups_n + 1, sizeof(int64_t));
-    int64_t *fill = calloc(groups_n, sizeof(int64_t)), *ntiles = calloc(groups_n + 1, sizeof(int64_t));
-    int32_t *klist = malloc(sizeof(int32_t) * (lk * kk + 1)), *crow = malloc(sizeof(int32_t) * (r * lq * kq + 1));
-    int32_t *chi = malloc(sizeof(int32_t) * (r * lq * kq + 1)), *tiles = malloc(sizeof(int32_t) * 2 * (r * lq * kq + 1));
-    int failed = !kstart || !cstart || !fill || !ntiles || !klist || !crow || !chi || !tiles;
-    if (!failed) {
-        for (int64_t j = sinks; j < lk; j++)
-            for (int64_t u = 0; u < kk; u++) kstart[k_groups[j * kk + u] + 1]++;
-        for (int64_t i = 0; i < lq; i++)
-            for (int64_t h = 0; h < r; h++)
-                for (int64_t u = 0; u < kq; u++) cstart[q_groups[(h * lq + i) * kq + u] + 1]++;
-        for (int64_t g = 0; g < groups_n; g++) kstart[g + 1] += kstart[g], cstart[g + 1] += cstart[g];
-        for (int64_t j = sinks; j < lk; j++)
-            for (int64_t u = 0; u < kk; u++) {
-                int64_t g = k_groups[j * kk + u];
-                klist[kstart[g] + fill[g]++] = (int32_t)j;
-            }
-        memset(fill, 0, sizeof(int64_t) * groups_n);
-        int64_t *ptr = ntiles; /* (borrowed as each group's key pointer; reset below) */
-        for (int64_t i = 0; i < lq; i++) {
-            int64_t p = start + i;
-            for (int64_t h = 0; h < r; h++)
-                for (int64_t u = 0; u < kq; u++) {
-                    int64_t g = q_groups[(h * lq + i) * kq + u], n = kstart[g + 1] - kstart[g];
-                    while (ptr[g] < n && klist[kstart[g] + ptr[g]] <= p - window) ptr[g]++;
-                    if (ptr[g] == 0) continue; /* no far key yet */
-                    crow[cstart[g] + fill[g]] = (int32_t)(h * lq + i);
-                    chi[cstart[g] + fill[g]++] = (int32_t)ptr[g];
-                }
+    int64_t start = lk - lq, *fill = ctiles; /* (ctiles: the fill counts, then each group's key pointer) */
+    memset(kstart, 0, sizeof(int64_t) * (groups_n + 1));
+    memset(cstart, 0, sizeof(int64_t) * (groups_n + 1));
+    memset(fill, 0, sizeof(int64_t) * (groups_n + 1));
+    for (int64_t j = sinks; j < lk; j++)
+        for (int64_t u = 0; u < kk; u++) kstart[k_groups[j * kk + u] + 1]++;
+    for (int64_t i = 0; i < r * lq * kq; i++) cstart[q_groups[i] + 1]++;
+    for (int64_t g = 0; g < groups_n; g++) kstart[g + 1] += kstart[g], cstart[g + 1] += cstart[g];
+    for (int64_t j = sinks; j < lk; j++)
+        for (int64_t u = 0; u < kk; u++) {
+            int64_t g = k_groups[j * kk + u];
+            klist[kstart[g] + fill[g]++] = (int32_t)j;
         }
-        /* Tiles: runs of at most NR copies of a group whose prefixes differ by at most FAR_TAIL keys. */
-        int64_t nt = 0;
-        for (int64_t g = 0; g < groups_n; g++) {
-            ntiles[g] = nt;
-            for (int64_t c0 = cstart[g], end = cstart[g] + fill[g]; c0 < end;) {
-                int64_t c1 = c0 + 1;
-                while (c1 < end && c1 - c0 < NR && chi[c1] - chi[c0] <= FAR_TAIL) c1++;
-                tiles[2 * nt] = (int32_t)c0, tiles[2 * nt + 1] = (int32_t)c1, nt++;
-                c0 = c1;
+    int64_t *ptr = calloc(groups_n, sizeof(int64_t));
+    if (!ptr) return 1;
+    memset(fill, 0, sizeof(int64_t) * (groups_n + 1));
+    for (int64_t i = 0; i < lq; i++) {
+        int64_t p = start + i;
+        for (int64_t h = 0; h < r; h++)
+            for (int64_t u = 0; u < kq; u++) {
+                int64_t g = q_groups[(h * lq + i) * kq + u], n = kstart[g + 1] - kstart[g];
+                while (ptr[g] < n && klist[kstart[g] + ptr[g]] <= p - window) ptr[g]++;
+                if (ptr[g] == 0) continue; /* no far key yet */
+                crow[cstart[g] + fill[g]] = (int32_t)(h * lq + i);
+                chi[cstart[g] + fill[g]++] = (int32_t)ptr[g];
             }
+    }
+    free(ptr);
+    int64_t nt = 0;
+    for (int64_t g = 0; g < groups_n; g++) {
+        int64_t c0 = cstart[g], end = cstart[g] + fill[g];
+        ctiles[g] = nt;
+        while (c0 < end) {
+            int64_t c1 = c0 + 1;
+            while (c1 < end && c1 - c0 < NR && chi[c1] - chi[c0] <= FAR_TAIL) c1++;
+            tiles[2 * nt] = (int32_t)c0, tiles[2 * nt + 1] = (int32_t)c1, nt++;
+            c0 = c1;
         }
-        ntiles[groups_n] = nt;
     }
-    if (failed) {
-        free(kstart), free(cstart), free(fill), free(ntiles), free(klist), free(crow), free(chi), free(tiles);
-        return 1;
-    }
+    ctiles[groups_n] = nt;
+    return 0;
+}
 
-    /* 1. local tiles, 2. far tiles (a query in several groups has a copy per group: then one group at a time). */
-    int64_t local_per_head = (lq + NR - 1) / NR;
+/* Focus attention of rows (head, query) into out, with the plan of focus_prefill_plan. lse [r * lq] is scratch.
+   Returns 0, 1 when out of memory, 2 on a bad argument. */
+int focus_prefill(int64_t r, int64_t lq, int64_t lk, int64_t d, const void *q, int64_t q_hs, int64_t q_ps,
+                  const void *k, int64_t k_ps, const void *v, int64_t v_ps, void *out, int64_t o_hs, int64_t o_ps,
+                  int bf16, float scale, int64_t window, int64_t sinks, int64_t groups_n, int64_t kq,
+                  const int64_t *kstart, const int32_t *klist, const int64_t *cstart, const int32_t *crow,
+                  const int32_t *chi, const int64_t *ctiles, const int32_t *tiles, int threads, float *lse) {
+    if (r < 1 || lq < 1 || lk < lq || d < W || d > MAX_D || d % W || window < 1 || sinks < 0 || groups_n < 1 ||
+        kq < 1 || threads < 1)
+        return 2;
+    run_t c = {r, lq, lk, d, q, k, v, out, q_hs, q_ps, k_ps, v_ps, o_hs, o_ps, bf16, scale, lk - lq, window, sinks,
+               lse};
+    int64_t local_per_head = (lq + NR - 1) / NR, failed = 0;
+    /* 1. local tiles; 2. far tiles (a query in several groups has a copy per group: then one group at a time). */
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        work_t *w = alloc_work();
-        int bad = !w;
+        work_t *w = aligned_alloc(64, (sizeof(work_t) + 63) / 64 * 64);
+        failed = !w;
 #pragma omp for schedule(dynamic, 4)
         for (int64_t t = 0; t < r * local_per_head; t++) {
-            if (bad) continue;
+            if (!w) continue;
             int64_t h = t / local_per_head, i0 = t % local_per_head * NR;
             local_tile(&c, w, h, i0, (int)(lq - i0 < NR ? lq - i0 : NR));
         }
         for (int64_t g0 = 0; g0 < groups_n; g0 = kq == 1 ? groups_n : g0 + 1) {
-            int64_t t0 = ntiles[g0], t1 = ntiles[kq == 1 ? groups_n : g0 + 1];
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t t = t0; t < t1; t++) {
-                if (bad) continue;
+            for (int64_t t = ctiles[g0]; t < ctiles[kq == 1 ? groups_n : g0 + 1]; t++) {
+                if (!w) continue;
                 int32_t c0 = tiles[2 * t], c1 = tiles[2 * t + 1];
                 int64_t g = 0;
                 while (cstart[g + 1] <= c0) g++;
@@ -334,8 +345,6 @@ int focus_prefill(int64_t r, int64_t lq, int64_t lk, int64_t d, const void *q, i
             }
         }
         free(w);
-        failed |= bad;
     }
-    free(kstart), free(cstart), free(fill), free(ntiles), free(klist), free(crow), free(chi), free(tiles);
-    return failed;
+    return failed ? 1 : 0;
 }
