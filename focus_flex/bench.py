@@ -3,11 +3,11 @@
 Sections (``--sections``):
 
 * ``op`` — one attention layer of SmolLM2's shape (9 query / 3 KV heads, head dim 64), per length and dtype:
-  Focus (the default kernel: ``flash`` on CPU) vs causal SDPA, Focus on the ``flex`` kernel, compiled FlexAttention
-  (causal) and window-only attention (the default kernel's local part: sliding window + sinks); block density, the
-  ideal speedup (causal blocks / computed blocks), the fraction of it achieved, the pair density, and the share of
-  routing + planning (the flash kernel's sorts; the flex kernel's block masks). Routing is balanced: queries and
-  keys are drawn around the centroids.
+  Focus (the default kernel: ``flash`` on CPU, in C where it builds) vs causal SDPA, Focus on the ``flex`` kernel,
+  compiled FlexAttention (causal) and window-only attention (the default kernel without a far pair: sliding window +
+  sinks); block density, the ideal speedup (causal blocks / computed blocks), the fraction of it achieved, the pair
+  density, and the share of routing + planning (the flash kernel's far plan; the flex kernel's block masks).
+  Routing is balanced: queries and keys are drawn around the centroids.
 * ``prefill`` — SmolLM2 end to end (``logits_to_keep=1``): Focus vs SDPA, plus the pair density of real routing.
 * ``decode`` — tokens/s on a KV cache of each length: Focus vs SDPA, alternating in one process (SDPA on a copy of
   the model), each on its own cache. A cache holds a real 2K-token prefill's keys/values tiled to the length,
@@ -360,8 +360,16 @@ def balanced_inputs(n: int, dtype: torch.dtype, groups: int, seed: int = 0) -> t
     return q.to(dtype), k.to(dtype), v.to(dtype), c
 
 
+def kernel_label(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Any) -> str:
+    """The default prefill kernel for these inputs: ``flex``, ``flash (C)`` or ``flash (PyTorch)``."""
+    from focus_flex import attention, native
+
+    kernel = attention.default_kernel(q.device, cfg)
+    return kernel if kernel == "flex" else f"flash ({'C' if native.prefill_applies(q, k, v) else 'PyTorch'})"
+
+
 def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    from focus_flex import attention, flash, masks, routing
+    from focus_flex import attention, flash, masks, native, routing
     from focus_flex.config import FocusConfig
     from focus_flex.threads import small_work
 
@@ -384,7 +392,18 @@ def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
     def sdpa() -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
-    def window() -> Any:  # window + sinks only: the default kernel's local part on its own
+    fused = kernel == "flash" and native.prefill_applies(q, k, v)
+    apart = FocusConfig(**{**spec["focus"], "num_groups": 2})  # queries in group 0, keys in 1: no far pair
+
+    def window() -> Any:  # window + sinks only: the default kernel without a far pair
+        if fused:
+            out = torch.empty_like(q)
+            plan = native.prefill_plan(torch.zeros(rep, n, 1, dtype=torch.long), torch.ones(n, 1, dtype=torch.long),
+                                       apart)
+            for j in range(HKV):
+                hs = slice(j * rep, (j + 1) * rep)
+                native.prefill(q[0, hs], k[0, j], v[0, j], plan, apart, scale, out[0, hs], threads)
+            return out
         if kernel == "flash":
             return [flash.local_part(q[0, j * rep:(j + 1) * rep], k[0, j], v[0, j], 0, cfg, scale) for j in range(HKV)]
         with small_work(q.device):
@@ -398,9 +417,12 @@ def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 return attention.plan_attention(q, k, c, cfg, valid=valid)
         qg = routing.hard_groups(q, c, cfg.query_top_k)
         kg = routing.hard_groups(k, c, cfg.key_top_k)
-        return [flash.far_plan(qg[0, j * rep:(j + 1) * rep], kg[0, j], 0, cfg) for j in range(HKV)]
+        make = (lambda qj, kj: native.prefill_plan(qj, kj, cfg)) if fused else (
+            lambda qj, kj: flash.far_plan(qj, kj, 0, cfg))
+        return [make(qg[0, j * rep:(j + 1) * rep], kg[0, j]) for j in range(HKV)]
 
-    res: dict[str, Any] = {"n": n, "dtype": spec["dtype"], "threads": threads, "kernel": kernel}
+    res: dict[str, Any] = {"n": n, "dtype": spec["dtype"], "threads": threads,
+                           "kernel": kernel_label(q, k, v, cfg)}
     F.scaled_dot_product_attention(q[:, :, :256], k[:, :, :256], v[:, :, :256], is_causal=True, enable_gqa=True)
     t = time.perf_counter()
     focus()
@@ -503,7 +525,7 @@ def _warm_focus(model: Any, adapter: Any, lq: int, lk: int) -> None:
 
 
 def _prefill_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    from focus_flex import attention, flash
+    from focus_flex import attention, flash, native
 
     model, tokenizer, adapter = _load(spec)
     n = spec["n"]
@@ -511,13 +533,20 @@ def _prefill_worker(spec: dict[str, Any]) -> dict[str, Any]:
     cfg = adapter.config
     calls = model.config.num_hidden_layers * model.config.num_key_value_heads  # one far plan per layer and KV head
     far_pairs: list[int] = []
-    far_plan, plan_attention = flash.far_plan, attention.plan_attention
+    far_plan, prefill_plan, plan_attention = flash.far_plan, native.prefill_plan, attention.plan_attention
 
     def recording_far_plan(*args: Any, **kwargs: Any) -> flash.FarPlan:  # real routing, first forward only
         p = far_plan(*args, **kwargs)
         far_pairs.append(p.pairs)
         if len(far_pairs) == calls:
             flash.far_plan = far_plan
+        return p
+
+    def recording_prefill_plan(*args: Any, **kwargs: Any) -> native.PrefillPlan:  # the same, for the C kernel
+        p = prefill_plan(*args, **kwargs)
+        far_pairs.append(p.pairs)
+        if len(far_pairs) == calls:
+            native.prefill_plan = prefill_plan
         return p
 
     def recording_plan(*args: Any, **kwargs: Any) -> attention.FocusPlan:  # the same, for the flex kernel
@@ -532,17 +561,18 @@ def _prefill_worker(spec: dict[str, Any]) -> dict[str, Any]:
             model(ids, use_cache=False, logits_to_keep=1)
 
     res: dict[str, Any] = {"n": n, "model_dtype": spec["model_dtype"], "adapter": spec.get("adapter") or "k-means",
-                           "kernel": attention.default_kernel(next(model.parameters()).device, cfg)}
+                           "kernel": kernel_label(*[torch.empty(1, 1, 1, HEAD_DIM, dtype=model.dtype)] * 3, cfg)}
     with torch.inference_mode():
         model(ids[:, :64], use_cache=False, logits_to_keep=1)  # warm-up (SDPA needs no compilation)
     adapter.attach(model)
     t = time.perf_counter()
     _warm_focus(model, adapter, n, n)
     res["compile_s"] = time.perf_counter() - t
-    flash.far_plan, attention.plan_attention = recording_far_plan, recording_plan
+    flash.far_plan, native.prefill_plan, attention.plan_attention = recording_far_plan, recording_prefill_plan, \
+        recording_plan
     times = _measure({"focus": forward, "sdpa": lambda: _as_sdpa(model, adapter, forward)}, spec["repeats"],
                      spec["max_seconds"])
-    flash.far_plan, attention.plan_attention = far_plan, plan_attention
+    flash.far_plan, native.prefill_plan, attention.plan_attention = far_plan, prefill_plan, plan_attention
     res.update(times)
     hq = model.config.num_attention_heads
     res["density"] = pair_density(n, cfg, sum(far_pairs) / max(len(far_pairs), 1) * model.config.num_key_value_heads
