@@ -585,10 +585,7 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
     # Key routing a KV cache already did; else each kernel routes the keys itself.
     k_groups = None if k_member is None else groups_from_membership(k_member, config.key_top_k, config.num_groups)
     if (kernel or default_kernel(q.device, config)) == "flash":
-        q_groups = routing.hard_groups(q, centroids, config.query_top_k)
-        if k_groups is None:
-            k_groups = routing.hard_groups(k, centroids, config.key_top_k)
-        return flash.flash_attention(q, k, v, q_groups, k_groups, valid, config, scale)
+        return flash.flash_attention(q, k, v, centroids, k_groups, valid, config, scale)
     threads = torch.get_num_threads()
     out = torch.empty_like(q)
     rep = hq // k.shape[1]

@@ -415,11 +415,12 @@ def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
         if kernel == "flex":
             with small_work(q.device):
                 return attention.plan_attention(q, k, c, cfg, valid=valid)
-        qg = routing.hard_groups(q, c, cfg.query_top_k)
-        kg = routing.hard_groups(k, c, cfg.key_top_k)
-        make = (lambda qj, kj: native.prefill_plan(qj, kj, cfg)) if fused else (
-            lambda qj, kj: flash.far_plan(qj, kj, 0, cfg))
-        return [make(qg[0, j * rep:(j + 1) * rep], kg[0, j]) for j in range(HKV)]
+        plans = []
+        for j in range(HKV):  # per KV head, as flash.flash_attention routes
+            qg = routing.hard_groups(q[:, j * rep:(j + 1) * rep], c[j:j + 1], cfg.query_top_k)[0]
+            kg = routing.hard_groups(k[:, j:j + 1], c[j:j + 1], cfg.key_top_k)[0, 0]
+            plans.append(native.prefill_plan(qg, kg, cfg) if fused else flash.far_plan(qg, kg, 0, cfg))
+        return plans
 
     res: dict[str, Any] = {"n": n, "dtype": spec["dtype"], "threads": threads,
                            "kernel": kernel_label(q, k, v, cfg)}

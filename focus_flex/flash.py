@@ -29,7 +29,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from focus_flex import native
+from focus_flex import native, routing
 from focus_flex.config import FocusConfig
 
 LOCAL_CHUNK = 64  # query positions per local chunk (measured at window 256: 64 beats 32 and 128)
@@ -222,13 +222,17 @@ def _merge_into(out: torch.Tensor, out_rows: torch.Tensor, lse: torch.Tensor, ls
     lse.index_copy_(0, lse_rows, new)
 
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_groups: torch.Tensor,
-                    k_groups: torch.Tensor, valid: torch.Tensor, config: FocusConfig, scale: float) -> torch.Tensor:
-    """Focus prefill on CPU. q ``[B, Hq, Lq, D]``, k/v ``[B, Hkv, Lk, D]``, groups ``[B, H, L, top-k]``, valid
-    ``[B, Lk]`` (real tokens). Exact: the result of :func:`focus_flex.attention.reference_attention`.
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
+                    k_groups: torch.Tensor | None, valid: torch.Tensor, config: FocusConfig,
+                    scale: float) -> torch.Tensor:
+    """Focus prefill on CPU. q ``[B, Hq, Lq, D]``, k/v ``[B, Hkv, Lk, D]``, centroids ``[Hkv, G, D]``, valid
+    ``[B, Lk]`` (real tokens); ``k_groups`` ``[B, Hkv, Lk, top-k]`` is the key routing a KV cache already did (None:
+    route the keys here). Exact: the result of :func:`focus_flex.attention.reference_attention`.
 
-    The output has q's memory layout where q's is dense with contiguous rows of D, as SDPA's does: transformers
-    hands q as a ``[B, L, H, D]`` projection viewed as ``[B, H, L, D]``, and turns the output back for free.
+    Routes one batch row and KV head at a time (the same scores as routing all at once), so the group tensors stay
+    one head's. The output has q's memory layout where q's is dense with contiguous rows of D, as SDPA's does:
+    transformers hands q as a ``[B, L, H, D]`` projection viewed as ``[B, H, L, D]``, and turns the output back for
+    free.
     """
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
@@ -245,9 +249,12 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_groups:
         dense = n == lk and m == lq
         for j in range(hkv):
             hs = slice(j * rep, (j + 1) * rep)
-            qj, kj, vj, qg, kg = q[i, hs], k[i, j], v[i, j], q_groups[i, hs], k_groups[i, j]
+            qj, kj, vj, kg = q[i, hs], k[i, j], v[i, j], None if k_groups is None else k_groups[i, j]
             if not dense:  # drop the padding: positions become indices
-                qj, qg, kj, vj, kg = qj[:, queries], qg[:, queries], kj[keys], vj[keys], kg[keys]
+                qj, kj, vj, kg = qj[:, queries], kj[keys], vj[keys], None if kg is None else kg[keys]
+            qg = routing.hard_groups(qj[None], centroids[j:j + 1], config.query_top_k)[0]
+            if kg is None:
+                kg = routing.hard_groups(kj[None, None], centroids[j:j + 1], config.key_top_k)[0, 0]
             # Where the output's layout allows, write into it: no float32 copy of a head's result (the PyTorch parts
             # merge in float32 and round once; with query top-1, a row is merged once).
             in_place = dense and (fused or m % LOCAL_CHUNK == 0)

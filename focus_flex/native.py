@@ -110,6 +110,7 @@ def library() -> ctypes.CDLL | None:
     lib.focus_decode_step.argtypes, lib.focus_decode_step.restype = _DECODE_ARGS, ctypes.c_int
     lib.focus_prefill_plan.argtypes, lib.focus_prefill_plan.restype = _PLAN_ARGS, ctypes.c_int
     lib.focus_prefill.argtypes, lib.focus_prefill.restype = _PREFILL_ARGS, ctypes.c_int
+    lib.focus_top1.argtypes, lib.focus_top1.restype = (_P, _I, _I, _P, _N), None
     return lib
 
 
@@ -143,6 +144,19 @@ def decode_step(q: torch.Tensor, groups: torch.Tensor, scale: float, k: torch.Te
         v.data_ptr(), v_at.ctypes.data, v.stride(2), k.dtype == torch.bfloat16, pool.ctypes.data, starts.ctypes.data,
         counts.ctypes.data, index.num_groups, sinks, end, lk, max(1, threads), out.data_ptr())
     _check(code, "decode step")
+    return out
+
+
+def top1(scores: torch.Tensor) -> torch.Tensor | None:
+    """The first index of the largest score (a NaN counts as largest), ``[..., G]`` -> ``[..., 1]`` int64, as
+    ``scores.max(-1, keepdim=True).indices`` (which spends ~20 ns a row on a few dozen groups); None where the C
+    library cannot take the scores (not contiguous float32 on CPU, or no library)."""
+    if not (scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.is_contiguous()
+            and scores.numel() >= (1 << 14) and library() is not None):
+        return None
+    out = torch.empty(scores.shape[:-1] + (1,), dtype=torch.long)
+    library().focus_top1(scores.data_ptr(), scores.numel() // scores.shape[-1], scores.shape[-1], out.data_ptr(),
+                         torch.get_num_threads())
     return out
 
 

@@ -15,7 +15,8 @@ def test_tiny_run_writes_json_markdown_and_plot(tmp_path):
     assert all(c["max_abs_diff"] <= c["tolerance"] for c in res["correctness"])
     saved = json.loads((tmp_path / "bench.json").read_text())
     (op,) = saved["op"]
-    assert op["n"] == 512 and op["kernel"] == "flash" and set(op["times"]) == {"focus", "focus_flex", "sdpa", "window"}
+    assert op["n"] == 512 and op["kernel"] == "flash (C)"
+    assert set(op["times"]) == {"focus", "focus_flex", "sdpa", "window"}
     assert {"prefill, flash kernel", "prefill, flex kernel", "decode"} <= {c["case"] for c in res["correctness"]}
     assert 0 < op["pair_density"] <= 1 and 0 < op["density"]["total"] <= 2
     assert op["times"]["focus"]["min"] > 0
