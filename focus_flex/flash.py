@@ -1,24 +1,31 @@
-"""The CPU fast path: Focus as standard flash-attention calls over chunks (the paper's decomposition).
+"""The CPU fast path (``kernel="flash"``): Focus as the paper's two standard attention passes, merged exactly.
 
-On CPU, compiled FlexAttention computes a block several times slower than PyTorch's own CPU flash kernel, so here
-the two parts of the pattern run as plain flash-attention calls that touch (almost) only allowed pairs, and merge
-exactly through their log-sum-exps. Per batch row (padding dropped) and KV head, with its query heads stacked:
+Per batch row (padding dropped) and KV head, with its query heads stacked, two parts of the pattern:
 
-* **local** — query chunks attend ``[sinks | the window span of the chunk]``. Relative to the chunk, the allowed pairs
-  are the same for every chunk, so one additive mask serves them all (only the first chunks, near the sinks, get
-  their own). Pairs computed: about ``(chunk + window) / window`` times the allowed ones::
+* **local** — each query attends its sinks and its window::
 
-      keys:   sinks  | window span of the chunk
+      keys:   sinks  | window span of a tile of queries
       query0  x x x x  x x x x . . . .
       query1  x x x x  . x x x x . . .
       query2  x x x x  . . x x x x . .
 
-* **far** — query copies and key copies sorted by (group, position); a chunk of query copies of one group may see a
-  prefix of its group's keys (beyond the window, past the sinks) that grows down the chunk. The prefix every row of
-  the chunk sees is one unmasked call; the few keys after it are a second call with a small staircase mask. Each
-  group's results are merged into the local part's right away, so the temporaries stay one group's.
+* **far** — query copies and keys listed per group, sorted by position; a copy may see a prefix of its group's keys
+  (beyond the window, past the sinks) that grows with its position: per group, a causal staircase over ~1/G of the
+  pairs.
 
-A query in several groups has a far copy per group; a key in several groups has a copy per group. A pair sharing
+Where it builds (:mod:`focus_flex.native`), ``csrc/prefill.c`` runs both parts in one call per batch row and KV head:
+every computed pair is one in registers, the far plan is two counting sorts, the far part merges into the local
+part's output in place, and the only buffers are a log-sum-exp per row, the plan's integer lists and a few tiles per
+thread. Elsewhere (no C compiler, float16, a head dim that is not a multiple of 16 or above 256) the same parts run
+as chunks of PyTorch's CPU flash attention, which returns the log-sum-exp:
+
+* local: query chunks attend ``[sinks | the window span of the chunk]`` under one additive mask that is the same for
+  every chunk (only the first chunks, near the sinks, get their own); ~``(chunk + window) / window`` times the
+  allowed pairs;
+* far: a chunk of a group's query copies attends the prefix every row of the chunk sees (one unmasked call), then the
+  few keys after it under a small staircase mask; results merge into the local part's every ``FAR_BLOCK`` copies.
+
+A query in several groups has a far copy per group; a key in several groups is listed in each. A pair sharing
 several groups would be counted more than once, so top-k > 1 for both queries and keys is left to the flex path.
 """
 

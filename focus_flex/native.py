@@ -184,6 +184,7 @@ class PrefillPlan(NamedTuple):
     ctiles: torch.Tensor  # [G + 1] int64
     tiles: torch.Tensor  # [R * Lq * kq, 2] int32
     query_top_k: int
+    shape: tuple[int, int, int]  # (R, Lq, Lk) it was planned for
 
     @property
     def pairs(self) -> int:
@@ -200,7 +201,7 @@ def prefill_plan(q_groups: torch.Tensor, k_groups: torch.Tensor, config: FocusCo
     plan = PrefillPlan(torch.empty(g + 1, dtype=torch.long), torch.empty(lk * kk, dtype=torch.int32),
                        torch.empty(g + 1, dtype=torch.long), torch.zeros(copies, dtype=torch.int32),
                        torch.zeros(copies, dtype=torch.int32), torch.empty(g + 1, dtype=torch.long),
-                       torch.empty(copies, 2, dtype=torch.int32), kq)
+                       torch.empty(copies, 2, dtype=torch.int32), kq, (r, lq, lk))
     code = library().focus_prefill_plan(r, lq, lk, config.window, config.sink_tokens, g, qg.data_ptr(), kq,
                                         kg.data_ptr(), kk, *(x.data_ptr() for x in plan[:7]))
     _check(code, "prefill plan")
@@ -216,6 +217,9 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PrefillPlan
     group per pair: query or key top-k 1). :func:`prefill_applies` must hold.
     """
     r, lq, d = q.shape
+    if plan.shape != (r, lq, k.shape[0]) or k.shape != (k.shape[0], d) or v.shape != k.shape:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} do not fit a plan made for "
+                         f"[R, Lq, Lk] = {plan.shape} with [Lk, D] keys and values")
     if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} must match q {tuple(q.shape)} {q.dtype}, rows contiguous")
     lse = torch.empty(r * lq)

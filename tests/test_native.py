@@ -148,6 +148,8 @@ def test_c_prefill_rejects_bad_arguments():
     plan = native.prefill_plan(torch.zeros(1, 10, 1, dtype=torch.long), torch.zeros(10, 1, dtype=torch.long), cfg)
     with pytest.raises(ValueError, match="out .* must match q"):
         native.prefill(q, k, k, plan, cfg, 1.0, torch.empty(1, 10, 16, dtype=torch.bfloat16), 1)
+    with pytest.raises(ValueError, match="do not fit a plan made for"):
+        native.prefill(q[:, :9], k[:9], k[:9], plan, cfg, 1.0, torch.empty(1, 9, 16), 1)
 
 
 @pytest.mark.parametrize("dtype, d", [(torch.float16, 16), (torch.float32, 24), (torch.float32, 272)])

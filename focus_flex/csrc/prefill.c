@@ -15,6 +15,7 @@
    Scores, sums and outputs are float32; q, k, v and out are float32 or bfloat16 (rounded once per pass). Threads:
    OpenMP over tiles (joining PyTorch's pool when both use GNU OpenMP). Built and called by focus_flex/native.py. */
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -119,7 +120,7 @@ static void start_tile(const run_t *c, work_t *w, const int64_t *rows, int n) {
         for (int64_t e = 0; e < c->d; e++) w->qt[e * NR + i] = i < n ? load(c, c->q, at + e) * c->scale : 0.f;
     }
     memset(w->o, 0, sizeof(float) * NR * c->d);
-    for (int v = 0; v < NV; v++) w->m[v] = splat(-1e30f), w->l[v] = splat(0.f);
+    for (int v = 0; v < NV; v++) w->m[v] = splat(-FLT_MAX), w->l[v] = splat(0.f);
 }
 
 /* o[i0 .. i0 + RS)[e0 .. e0 + nd * W) += P V over the block's n keys (nd a constant: the accumulators stay in
@@ -146,7 +147,7 @@ static void block(const run_t *c, work_t *w, int n, const int32_t *x, const vi *
     static const float zero[MAX_D];
     for (int t = n; t < (n + KS - 1) / KS * KS; t++) w->kr[t] = w->vr[t] = zero;
     vf *s = (vf *)w->s, mx[NV];
-    for (int v = 0; v < NV; v++) mx[v] = splat(-1e30f);
+    for (int v = 0; v < NV; v++) mx[v] = splat(-FLT_MAX);
     for (int t0 = 0; t0 < n; t0 += KS) {
         vf acc[KS][NV] = {{0}};
         for (int64_t e = 0; e < d; e++) {
