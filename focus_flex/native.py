@@ -5,6 +5,7 @@
 * ``prefill.c`` — a prefill for one sequence and KV head: the window + sinks pass and the same-group pass fused, each
   pair computed once in registers, merged in place; its only buffers are a log-sum-exp per row, the far plan's
   integer lists and a few tiles per thread.
+* ``routing.c`` — top-1 routing: every vector's scores and their first maximum in one pass, no temporaries.
 
 Both run on the caller's threads (OpenMP: with a PyTorch that ships GNU OpenMP, the C code joins PyTorch's own thread
 pool). The library is compiled once per source version, compiler and CPU into focus_flex's cache
@@ -102,15 +103,15 @@ def library() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(build()))
     except (RuntimeError, OSError) as e:
-        warnings.warn(f"focus_flex: the C kernels are unavailable ({e}); prefill and decode use the slower PyTorch "
-                      "path. "
+        warnings.warn(f"focus_flex: the C kernels are unavailable ({e}); routing, prefill and decode use the slower "
+                      "PyTorch path. "
                       "Install a C compiler (e.g. gcc) or set FOCUS_FLEX_NATIVE=0 to silence this.", RuntimeWarning,
                       stacklevel=3)
         return None
     lib.focus_decode_step.argtypes, lib.focus_decode_step.restype = _DECODE_ARGS, ctypes.c_int
     lib.focus_prefill_plan.argtypes, lib.focus_prefill_plan.restype = _PLAN_ARGS, ctypes.c_int
     lib.focus_prefill.argtypes, lib.focus_prefill.restype = _PREFILL_ARGS, ctypes.c_int
-    lib.focus_top1.argtypes, lib.focus_top1.restype = (_P, _I, _I, _P, _N), None
+    lib.focus_route_top1.argtypes, lib.focus_route_top1.restype = (_P, _N) + (_I,) * 7 + (_P, _I, _I, _P, _N), _N
     return lib
 
 
@@ -147,16 +148,21 @@ def decode_step(q: torch.Tensor, groups: torch.Tensor, scale: float, k: torch.Te
     return out
 
 
-def top1(scores: torch.Tensor) -> torch.Tensor | None:
-    """The first index of the largest score (a NaN counts as largest), ``[..., G]`` -> ``[..., 1]`` int64, as
-    ``scores.max(-1, keepdim=True).indices`` (which spends ~20 ns a row on a few dozen groups); None where the C
-    library cannot take the scores (not contiguous float32 on CPU, or no library)."""
-    if not (scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.is_contiguous()
-            and scores.numel() >= (1 << 14) and library() is not None):
+def route_top1(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor | None:
+    """Top-1 routing in C (``csrc/routing.c``): the first index of the largest ``<x, c_g>`` (a NaN counts as
+    largest, as ``torch.max`` has it), ``[B, H, L, D]`` -> ``[B, H, L, 1]`` int64, scores summed in float32 in one
+    fixed order, so a vector's group never depends on the vectors routed with it. ``centroids`` ``[Hkv, G, D]``
+    normalised. None where it cannot run (not CPU, not float32/bfloat16, rows of D not contiguous, D > 256, or no
+    library)."""
+    (b, h, n, d), (hkv, g) = x.shape, centroids.shape[:2]
+    if not (x.device.type == "cpu" and x.dtype in DTYPES and x.stride(-1) == 1 and d <= PREFILL_MAX_D and h % hkv == 0
+            and library() is not None):
         return None
-    out = torch.empty(scores.shape[:-1] + (1,), dtype=torch.long)
-    library().focus_top1(scores.data_ptr(), scores.numel() // scores.shape[-1], scores.shape[-1], out.data_ptr(),
-                         torch.get_num_threads())
+    c = centroids.float().contiguous()
+    out = torch.empty(b, h, n, 1, dtype=torch.long)
+    code = library().focus_route_top1(x.data_ptr(), x.dtype == torch.bfloat16, b, h, n, d, *x.stride()[:3],
+                                      c.data_ptr(), hkv, g, out.data_ptr(), torch.get_num_threads())
+    _check(code, "routing")
     return out
 
 

@@ -37,13 +37,10 @@ def scores(x: torch.Tensor, centroids: torch.Tensor, tau: float) -> torch.Tensor
 def top_groups(s: torch.Tensor, k: int) -> torch.Tensor:
     """Hard groups: indices of the k highest scores, ``[..., G]`` -> ``[..., k]`` (int64).
 
-    Every path routes through here, so ties break the same way everywhere (top-1: the first maximum, in C where the
-    library runs, ~10x faster than ``max`` and ``argmax`` over a few dozen groups).
+    Ties break the same way everywhere: top-1 is the first maximum (``max`` finds it ~1.7x faster than ``argmax``),
+    as in the C routing of :func:`hard_groups`.
     """
-    if k > 1:
-        return s.topk(k, dim=-1).indices
-    fast = native.top1(s)
-    return s.max(-1, keepdim=True).indices if fast is None else fast
+    return s.max(-1, keepdim=True).indices if k == 1 else s.topk(k, dim=-1).indices
 
 
 ROUTE_FLOATS = 1 << 18  # float32 temporaries of one routing chunk (1 MB): a float32 copy of x if needed, its scores
@@ -53,12 +50,15 @@ def hard_groups(x: torch.Tensor, centroids: torch.Tensor, k: int) -> torch.Tenso
     """The top-k groups of every vector, ``[B, H, L, D]`` -> ``[B, H, L, k]``: :func:`top_groups` of ``<x, C_g/|C_g|>``.
 
     That is the order of :func:`scores` (their other factors, 1/|x| and 1/tau, are positive per vector), without
-    normalising x: decode routes a few vectors per layer and step, and there the op count is the cost. Routed a
-    chunk of positions at a time, so the float32 temporaries stay about :data:`ROUTE_FLOATS` at any length (a
-    vector's scores do not depend on the chunk).
+    normalising x: decode routes a few vectors per layer and step, and there the op count is the cost. Top-1 on CPU
+    is one C pass (:func:`focus_flex.native.route_top1`: no temporaries, and a vector's group never depends on the
+    vectors routed with it); otherwise a chunk of positions at a time, so the float32 temporaries stay about
+    :data:`ROUTE_FLOATS` at any length.
     """
     (b, h, n, d), g = x.shape, centroids.shape[1]
     c = F.normalize(centroids.float(), dim=-1)
+    if k == 1 and (fast := native.route_top1(x, c)) is not None:  # every path routes here: the same groups everywhere
+        return fast
     chunk = max(64, ROUTE_FLOATS // (b * h * (g + (d if x.dtype != torch.float32 else 0))))
     if n <= chunk:
         return top_groups(_dots(x, c), k)

@@ -70,11 +70,11 @@ STEP = """if True:
     cfg = FocusConfig(num_groups=4, window=8, sink_tokens=2)
     q, c = torch.randn(1, 4, 1, 16), torch.randn(2, 4, 16)
     k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
-    index = KeyIndex(1, 2, 4, "cpu")
-    index.extend(k, c, cfg)
     qs = torch.randn(1, 4, 40, 16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        index = KeyIndex(1, 2, 4, "cpu")
+        index.extend(k, c, cfg)
         for _ in range(2):
             out = focus_attention(q, k, v, c, cfg, key_index=index)
             prefill = focus_attention(qs, k, v, c, cfg)
@@ -162,6 +162,29 @@ def test_prefill_the_c_kernel_cannot_run_takes_the_pytorch_path(dtype, d):
     assert not native.prefill_applies(q, k, v)
     ref = reference_attention(q.float(), k.float(), v.float(), c, cfg)
     assert max_diff(focus_attention(q, k, v, c, cfg, kernel="flash"), ref) <= (1e-4 if dtype == torch.float32 else 5e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_routing_is_the_first_maximum_of_the_scores(dtype):
+    """Top-1 routing in C against PyTorch's scores and ``max``: the same group for every vector whose two best scores
+    are not within float rounding of each other; the same group for a vector routed alone or with others (any
+    strides); a NaN score counts as largest, as ``torch.max`` has it."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 300, 6, 64, generator=gen).to(dtype).transpose(1, 2)  # [B, H, L, D], positions outermost
+    c = torch.nn.functional.normalize(torch.randn(3, 16, 64, generator=gen), dim=-1)
+    got = native.route_top1(x, c)
+    s = routing._dots(x, c)
+    top2 = s.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 1e-5 * top2[..., 0].abs().clamp_min(1)
+    assert clear.float().mean() > 0.99
+    assert torch.equal(got[clear], s.max(-1, keepdim=True).indices[clear])
+    assert torch.equal(native.route_top1(x[1:, 2:4, 17:18], c[1:2]), got[1:, 2:4, 17:18])  # one vector, one head set
+    y = x.float().clone()
+    y[0, 0, 5] = float("nan")  # every score NaN: group 0
+    c2 = c.clone()
+    c2[0, 7] = float("nan")  # group 7's scores NaN for the heads of set 0: group 7 wins there
+    want = routing._dots(y, c2).max(-1, keepdim=True).indices
+    assert torch.equal(native.route_top1(y, c2), want) and want[0, 0, 5] == 0 and (want[1, :2] == 7).all()
 
 
 def max_diff(a, b):

@@ -350,24 +350,3 @@ int focus_prefill(int64_t r, int64_t lq, int64_t lk, int64_t d, const void *q, i
     return failed ? 1 : 0;
 }
 
-/* Top-1 routing: out[i] = the first index of the largest of scores[i * g .. i * g + g) (a NaN counts as largest,
-   as torch.max has it), rows on `threads` threads. Branch-free: which score is largest is unpredictable. */
-void focus_top1(const float *scores, int64_t rows, int64_t g, int64_t *out, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < rows; i++) {
-        const float *s = scores + i * g;
-        float m = s[0];
-        int64_t best = 0;
-        int nan = s[0] != s[0];
-        for (int64_t j = 1; j < g; j++) {
-            float x = s[j];
-            int gt = x > m;
-            nan |= x != x;
-            m = gt ? x : m;
-            best = gt ? j : best;
-        }
-        if (nan)
-            for (best = 0; s[best] == s[best]; best++) continue;
-        out[i] = best;
-    }
-}
