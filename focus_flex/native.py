@@ -148,6 +148,7 @@ def decode_step(q: torch.Tensor, groups: torch.Tensor, scale: float, k: torch.Te
     return out
 
 
+@torch.compiler.disable(reason="a ctypes call into the C library: one graph break where a compiled model routes")
 def route_top1(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor | None:
     """Top-1 routing in C (``csrc/routing.c``): the first index of the largest ``<x, c_g>`` (a NaN counts as
     largest, as ``torch.max`` has it), ``[B, H, L, D]`` -> ``[B, H, L, 1]`` int64, scores summed in float32 in one
