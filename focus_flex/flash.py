@@ -236,10 +236,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
     ``[B, Lk]`` (real tokens); ``k_groups`` ``[B, Hkv, Lk, top-k]`` is the key routing a KV cache already did (None:
     route the keys here). Exact: the result of :func:`focus_flex.attention.reference_attention`.
 
-    Routes one batch row and KV head at a time (the same scores as routing all at once), so the group tensors stay
-    one head's. The output has q's memory layout where q's is dense with contiguous rows of D, as SDPA's does:
-    transformers hands q as a ``[B, L, H, D]`` projection viewed as ``[B, H, L, D]``, and turns the output back for
-    free.
+    Routes one batch row and KV head at a time where the C routing runs, so the group tensors stay one head's. The
+    output has q's memory layout where q's is dense with contiguous rows of D, as SDPA's does: transformers hands q
+    as a ``[B, L, H, D]`` projection viewed as ``[B, H, L, D]``, and turns the output back for free.
     """
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
@@ -247,6 +246,13 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
     layout = torch.preserve_format if q.stride(-1) == 1 else torch.contiguous_format  # rows of D: see _rows
     out = (torch.empty_like if bool(valid.all()) else torch.zeros_like)(q, memory_format=layout)  # padded rows: 0
     fused, threads = native.prefill_applies(q, k, v), torch.get_num_threads()
+    # Routing per batch row and KV head where it is the C routing (a vector's group does not depend on the vectors
+    # routed with it); PyTorch's scores can, in their last bits, so there the whole tensors are routed at once, as
+    # reference_attention does.
+    q_all = None if config.query_top_k == 1 and native.routes(q, centroids) else routing.hard_groups(
+        q, centroids, config.query_top_k)
+    if k_groups is None and not (config.key_top_k == 1 and native.routes(k, centroids)):
+        k_groups = routing.hard_groups(k, centroids, config.key_top_k)
     for i in range(b):
         keys = valid[i].nonzero()[:, 0]
         queries = valid[i, lk - lq:].nonzero()[:, 0]
@@ -256,10 +262,14 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
         dense = n == lk and m == lq
         for j in range(hkv):
             hs = slice(j * rep, (j + 1) * rep)
-            qj, kj, vj, kg = q[i, hs], k[i, j], v[i, j], None if k_groups is None else k_groups[i, j]
+            qj, kj, vj = q[i, hs], k[i, j], v[i, j]
+            qg = None if q_all is None else q_all[i, hs]
+            kg = None if k_groups is None else k_groups[i, j]
             if not dense:  # drop the padding: positions become indices
-                qj, kj, vj, kg = qj[:, queries], kj[keys], vj[keys], None if kg is None else kg[keys]
-            qg = routing.hard_groups(qj[None], centroids[j:j + 1], config.query_top_k)[0]
+                qj, kj, vj = qj[:, queries], kj[keys], vj[keys]
+                qg, kg = (None if qg is None else qg[:, queries]), (None if kg is None else kg[keys])
+            if qg is None:
+                qg = routing.hard_groups(qj[None], centroids[j:j + 1], config.query_top_k)[0]
             if kg is None:
                 kg = routing.hard_groups(kj[None, None], centroids[j:j + 1], config.key_top_k)[0, 0]
             # Where the output's layout allows, write into it: no float32 copy of a head's result (the PyTorch parts

@@ -148,6 +148,13 @@ def decode_step(q: torch.Tensor, groups: torch.Tensor, scale: float, k: torch.Te
     return out
 
 
+def routes(x: torch.Tensor, centroids: torch.Tensor) -> bool:
+    """Whether :func:`route_top1` takes x: CPU, float32/bfloat16, rows of D contiguous, D <= 256, the library."""
+    (h, d), hkv = x.shape[1::2], centroids.shape[0]
+    return (x.device.type == "cpu" and x.dtype in DTYPES and x.stride(-1) == 1 and d <= PREFILL_MAX_D and h % hkv == 0
+            and library() is not None)
+
+
 @torch.compiler.disable(reason="a ctypes call into the C library: one graph break where a compiled model routes")
 def route_top1(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor | None:
     """Top-1 routing in C (``csrc/routing.c``): the first index of the largest ``<x, c_g>`` (a NaN counts as
@@ -155,10 +162,9 @@ def route_top1(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor | None:
     fixed order, so a vector's group never depends on the vectors routed with it. ``centroids`` ``[Hkv, G, D]``
     normalised. None where it cannot run (not CPU, not float32/bfloat16, rows of D not contiguous, D > 256, or no
     library)."""
-    (b, h, n, d), (hkv, g) = x.shape, centroids.shape[:2]
-    if not (x.device.type == "cpu" and x.dtype in DTYPES and x.stride(-1) == 1 and d <= PREFILL_MAX_D and h % hkv == 0
-            and library() is not None):
+    if not routes(x, centroids):
         return None
+    (b, h, n, d), (hkv, g) = x.shape, centroids.shape[:2]
     c = centroids.float().contiguous()
     out = torch.empty(b, h, n, 1, dtype=torch.long)
     code = library().focus_route_top1(x.data_ptr(), x.dtype == torch.bfloat16, b, h, n, d, *x.stride()[:3],

@@ -174,6 +174,23 @@ def test_flash_far_chunks_bound_the_staircase_where_keys_crowd_one_group(flash_k
     assert max_diff(focus_attention(q, k, v, c, cfg, kernel="flash"), reference_attention(q, k, v, c, cfg)) <= 1e-4
 
 
+@pytest.mark.parametrize("key_top_k", [1, 3])
+def test_flash_kernel_routes_as_the_reference_under_exact_ties(key_top_k, flash_kernel):
+    """Two identical centroids tie every score between them exactly. Where PyTorch computes the scores (queries whose
+    head dim is strided, keys in 3 groups), their last bits can depend on the shape routed at once, so the flash
+    kernel must route the whole tensors as the reference does, not one head at a time."""
+    cfg = FocusConfig(num_groups=8, key_top_k=key_top_k, window=16, sink_tokens=2)
+    gen = torch.Generator().manual_seed(7)
+    c = torch.randn(3, 8, 64, generator=gen)
+    c[:, 3] = c[:, 0]
+    q = torch.randn(2, 6, 200, 128, generator=gen)[..., ::2]
+    k, v = (torch.randn(2, 3, 200, 64, generator=gen) for _ in range(2))
+    mask = torch.ones(2, 200, dtype=torch.bool)
+    mask[1, :30] = False
+    out = focus_attention(q, k, v, c, cfg, attention_mask=mask, kernel="flash")
+    assert max_diff(out, reference_attention(q, k, v, c, cfg, attention_mask=mask)) <= 1e-4
+
+
 def test_flash_kernel_takes_strided_inputs(flash_kernel):
     """transformers hands attention ``[B, L, H, D]`` projections transposed to ``[B, H, L, D]`` (not contiguous)."""
     cfg = FocusConfig(num_groups=4, window=16, sink_tokens=2)
