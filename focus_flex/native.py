@@ -165,6 +165,8 @@ def route_top1(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor | None:
     if not routes(x, centroids):
         return None
     (b, h, n, d), (hkv, g) = x.shape, centroids.shape[:2]
+    if centroids.shape[-1] != d:
+        raise ValueError(f"centroids {tuple(centroids.shape)} do not fit vectors of head dim {d}")
     c = centroids.float().contiguous()
     out = torch.empty(b, h, n, 1, dtype=torch.long)
     code = library().focus_route_top1(x.data_ptr(), x.dtype == torch.bfloat16, b, h, n, d, *x.stride()[:3],
@@ -198,6 +200,7 @@ class PrefillPlan(NamedTuple):
     tiles: torch.Tensor  # [R * Lq * kq, 2] int32
     query_top_k: int
     shape: tuple[int, int, int]  # (R, Lq, Lk) it was planned for
+    pattern: tuple[int, int, int]  # (groups, window, sinks) it was planned for, window and sinks capped at Lk + 1
 
     @property
     def pairs(self) -> int:
@@ -211,11 +214,12 @@ def prefill_plan(q_groups: torch.Tensor, k_groups: torch.Tensor, config: FocusCo
     (r, lq, kq), (lk, kk), g = q_groups.shape, k_groups.shape, config.num_groups
     qg, kg = q_groups.long().contiguous(), k_groups.long().contiguous()
     copies = r * lq * kq
+    pattern = _pattern(config, lk)
     plan = PrefillPlan(torch.empty(g + 1, dtype=torch.long), torch.empty(lk * kk, dtype=torch.int32),
                        torch.empty(g + 1, dtype=torch.long), torch.zeros(copies, dtype=torch.int32),
                        torch.zeros(copies, dtype=torch.int32), torch.empty(g + 1, dtype=torch.long),
-                       torch.empty(copies, 2, dtype=torch.int32), kq, (r, lq, lk))
-    code = library().focus_prefill_plan(r, lq, lk, config.window, config.sink_tokens, g, qg.data_ptr(), kq,
+                       torch.empty(copies, 2, dtype=torch.int32), kq, (r, lq, lk), pattern)
+    code = library().focus_prefill_plan(r, lq, lk, pattern[1], pattern[2], g, qg.data_ptr(), kq,
                                         kg.data_ptr(), kk, *(x.data_ptr() for x in plan[:7]))
     _check(code, "prefill plan")
     return plan
@@ -230,6 +234,14 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PrefillPlan
     group per pair: query or key top-k 1). :func:`prefill_applies` must hold.
     """
     r, lq, d = q.shape
+    if not (q.dtype == k.dtype == v.dtype and q.dtype in DTYPES and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+            and d % 16 == 0 and d <= PREFILL_MAX_D):
+        raise ValueError(f"the C prefill takes q, k, v of one dtype among {DTYPES} with contiguous rows of a head dim "
+                         f"that is a multiple of 16 up to {PREFILL_MAX_D}; got {q.dtype}, {k.dtype}, {v.dtype}, "
+                         f"D = {d}, strides {q.stride()}, {k.stride()}, {v.stride()} (prefill_applies says which)")
+    if plan.pattern != _pattern(config, k.shape[0]):
+        raise ValueError(f"the plan was made for (groups, window, sinks) = {plan.pattern}, not for this config's "
+                         f"{_pattern(config, k.shape[0])}: make the plan with the same config")
     if plan.shape != (r, lq, k.shape[0]) or k.shape != (k.shape[0], d) or v.shape != k.shape:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} do not fit a plan made for "
                          f"[R, Lq, Lk] = {plan.shape} with [Lk, D] keys and values")
@@ -238,10 +250,16 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PrefillPlan
     lse = torch.empty(r * lq)
     code = library().focus_prefill(
         r, lq, k.shape[0], d, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), v.data_ptr(),
-        v.stride(0), out.data_ptr(), out.stride(0), out.stride(1), q.dtype == torch.bfloat16, scale, config.window,
-        config.sink_tokens, config.num_groups, plan.query_top_k, *(x.data_ptr() for x in plan[:7]), max(1, threads),
+        v.stride(0), out.data_ptr(), out.stride(0), out.stride(1), q.dtype == torch.bfloat16, scale, plan.pattern[1],
+        plan.pattern[2], plan.pattern[0], plan.query_top_k, *(x.data_ptr() for x in plan[:7]), max(1, threads),
         lse.data_ptr())
     _check(code, "prefill")
+
+
+def _pattern(config: FocusConfig, lk: int) -> tuple[int, int, int]:
+    """(groups, window, sinks) as the C prefill takes them: a window or sink count past Lk + 1 means the same as
+    Lk + 1 (and the kernel's positions are 32-bit)."""
+    return config.num_groups, min(config.window, lk + 1), min(config.sink_tokens, lk + 1)
 
 
 def _check(code: int, name: str) -> None:

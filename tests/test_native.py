@@ -150,6 +150,28 @@ def test_c_prefill_rejects_bad_arguments():
         native.prefill(q, k, k, plan, cfg, 1.0, torch.empty(1, 10, 16, dtype=torch.bfloat16), 1)
     with pytest.raises(ValueError, match="do not fit a plan made for"):
         native.prefill(q[:, :9], k[:9], k[:9], plan, cfg, 1.0, torch.empty(1, 9, 16), 1)
+    with pytest.raises(ValueError, match="the plan was made for"):  # other groups: the plan's lists do not fit
+        native.prefill(q, k, k, plan, FocusConfig(num_groups=8, window=8, sink_tokens=2), 1.0, torch.empty_like(q), 1)
+    with pytest.raises(ValueError, match="one dtype among"):  # float16 would be read as float32
+        native.prefill(q.half(), k.half(), k.half(), plan, cfg, 1.0, torch.empty_like(q.half()), 1)
+    with pytest.raises(ValueError, match="do not fit vectors of head dim"):
+        native.route_top1(torch.randn(1, 2, 20, 16), torch.randn(1, 4, 32))
+
+
+def test_c_kernels_take_any_window_and_identical_centroids():
+    """A window far beyond 32 bits means full attention (the kernel's positions are 32-bit: capped at Lk + 1); two
+    identical centroids tie exactly, and the first wins, as in PyTorch's max."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 64, 32, generator=gen) for _ in range(3))
+    c = torch.randn(1, 4, 32, generator=gen)
+    for window, sinks in ((2**31 + 2, 0), (2**40, 2**40)):
+        cfg = FocusConfig(num_groups=4, window=window, sink_tokens=sinks)
+        assert max_diff(focus_attention(q, k, v, c, cfg, kernel="flash"), reference_attention(q, k, v, c, cfg)) < 1e-5
+    x = torch.randn(1, 3, 500, 64, generator=gen)
+    c0 = torch.nn.functional.normalize(torch.randn(64, generator=gen), dim=0)
+    twins = torch.stack([-c0, c0, c0])[None]
+    assert torch.equal(native.route_top1(x, twins), routing._dots(x, twins).max(-1, keepdim=True).indices)
+    assert (native.route_top1(x, twins) != 2).all()
 
 
 @pytest.mark.parametrize("dtype, d", [(torch.float16, 16), (torch.float32, 24), (torch.float32, 272)])

@@ -1,6 +1,6 @@
 /* Top-1 routing on the CPU: the group of every vector is the first index of its largest score <x, c_g> (a NaN
    score counts as largest, as torch.max has it), the scores computed in float32 in one fixed order (a sum over the
-   head dim, first to last, one fused multiply-add per term), so a vector's group never depends on which other
+   head dim, first to last, a multiply and an add per term), so a vector's group never depends on which other
    vectors are routed with it (chunks, a prefill, a decode step).
 
    x is [B, H, L, D] (float32 or bfloat16, rows of D contiguous, any other strides), c the normalised centroids
@@ -18,7 +18,9 @@
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
 
-int focus_route_top1(const void *x, int bf16, int64_t b, int64_t h, int64_t l, int64_t d, int64_t sb, int64_t sh,
+/* Plain multiplies and adds in the score sums: contracting some into fused multiply-adds and not others (as the
+   compiler may, accumulator by accumulator) would give two identical centroids different scores. */
+__attribute__((optimize("fp-contract=off"))) int focus_route_top1(const void *x, int bf16, int64_t b, int64_t h, int64_t l, int64_t d, int64_t sb, int64_t sh,
                      int64_t sl, const float *c, int64_t hkv, int64_t g, int64_t *out, int threads) {
     if (d < 1 || d > MAX_D || g < 1 || hkv < 1 || h % hkv) return 2;
     int64_t tiles = (l + W - 1) / W;
