@@ -178,9 +178,14 @@ def route_top1(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor | None:
 def prefill_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether :func:`prefill` can run: the library built, CPU tensors of one dtype in :data:`DTYPES`, rows of the
     head dim contiguous, a head dim that is a multiple of 16 up to :data:`PREFILL_MAX_D`."""
+    return _prefill_takes(q, k, v) and library() is not None
+
+
+def _prefill_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The inputs :func:`prefill` reads: :func:`prefill_applies` without the library."""
     d = q.shape[-1]
     return (applies(k, v) and q.device.type == "cpu" and q.dtype == k.dtype and q.stride(-1) == 1
-            and d % 16 == 0 and d <= PREFILL_MAX_D and library() is not None)
+            and d % 16 == 0 and d <= PREFILL_MAX_D)
 
 
 class PrefillPlan(NamedTuple):
@@ -234,8 +239,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PrefillPlan
     group per pair: query or key top-k 1). :func:`prefill_applies` must hold.
     """
     r, lq, d = q.shape
-    if not (q.dtype == k.dtype == v.dtype and q.dtype in DTYPES and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
-            and d % 16 == 0 and d <= PREFILL_MAX_D):
+    if not _prefill_takes(q, k, v):
         raise ValueError(f"the C prefill takes q, k, v of one dtype among {DTYPES} with contiguous rows of a head dim "
                          f"that is a multiple of 16 up to {PREFILL_MAX_D}; got {q.dtype}, {k.dtype}, {v.dtype}, "
                          f"D = {d}, strides {q.stride()}, {k.stride()}, {v.stride()} (prefill_applies says which)")
