@@ -297,7 +297,7 @@ class FocusAdapter(nn.Module):
 
         directory = resolve_adapter_dir(str(name_or_path), revision=revision, subfolder=subfolder, token=token,
                                         cache_dir=cache_dir, local_files_only=local_files_only)
-        config = FocusConfig.from_pretrained(directory)
+        config = FocusConfig.from_json_file(os.path.join(directory, CONFIG_NAME))
         path = os.path.join(directory, WEIGHTS_NAME)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{directory!r} has {CONFIG_NAME} but no {WEIGHTS_NAME}: partial adapter; "
@@ -462,7 +462,11 @@ def _mask_builder(**kwargs) -> FocusMask:
 
 
 def _attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """The registered ``"focus"`` attention: transformers' calling convention (DESIGN.md §4)."""
+    """The registered ``"focus"`` attention, in transformers' calling convention (docs/design.md).
+
+    transformers passes post-RoPE ``[B, H, L, D]`` q/k/v (KV cache included, GQA heads not repeated) and expects
+    ``([B, Lq, Hq, D], weights)`` back; the padding mask arrives only because ``"focus"`` has its own mask builder.
+    """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     state = getattr(module, "_focus", None)

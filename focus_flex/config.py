@@ -28,7 +28,7 @@ def cache_dir() -> Path:
 class FocusConfig:
     """Configuration of a Focus adapter.
 
-    Attention semantics (DESIGN.md §2): query i may attend key j iff j <= i and
+    Attention semantics (docs/design.md, "The semantics"): query i may attend key j iff j <= i and
     ``(pos_i - pos_j < window) or (pos_j < sink_tokens) or groups(q_i) ∩ groups(k_j) ≠ ∅``,
     where positions count non-padded tokens and groups are the top-k centroids by cosine score.
     """
@@ -39,7 +39,7 @@ class FocusConfig:
     window: int = 256
     sink_tokens: int = 4
     tau: float = 0.1
-    block_size: int = 64  # FlexAttention tile of the fast path (speed only; 64 measured faster than 128 on CPU)
+    block_size: int = 64  # tile of the flex kernel's block masks: speed only, never the pattern (docs/speed.md)
     layers: list[int] | None = None  # None: every full-attention layer of the model
     sinkhorn_iters: int = 3
     # Shape of the model the centroids belong to (filled in by `FocusAdapter.for_model`).
@@ -115,11 +115,23 @@ class FocusConfig:
         return path
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike) -> FocusConfig:
-        path = os.path.join(directory, CONFIG_NAME)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"No {CONFIG_NAME} in {directory!r}: not a Focus adapter folder "
-                                    f"(expected {CONFIG_NAME} and {WEIGHTS_NAME}).")
+    def from_pretrained(cls, name_or_path: str | os.PathLike, *, revision: str | None = None,
+                        subfolder: str | None = None, token: str | bool | None = None,
+                        cache_dir: str | os.PathLike | None = None, local_files_only: bool = False) -> FocusConfig:
+        """Read ``focus_config.json`` from a local folder or a Hub repo id, as `FocusAdapter.from_pretrained` does.
+
+        The arguments and errors are those of `focus_flex.hub.resolve_adapter_dir`, which fetches only the config
+        here (the centroids are not downloaded).
+        """
+        from focus_flex.hub import resolve_adapter_dir  # the Hub client is imported only when a config is loaded
+
+        directory = resolve_adapter_dir(name_or_path, revision=revision, subfolder=subfolder, token=token,
+                                        cache_dir=cache_dir, local_files_only=local_files_only, files=(CONFIG_NAME,))
+        return cls.from_json_file(os.path.join(directory, CONFIG_NAME))
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike) -> FocusConfig:
+        """Read one ``focus_config.json`` file."""
         try:
             with open(path) as f:
                 data = json.load(f)

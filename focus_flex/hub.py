@@ -100,8 +100,8 @@ def _token_was_sent(token: bool | str | None) -> bool:
     return _hf().get_token() is not None
 
 
-def _check_local_adapter_dir(path: str) -> str:
-    missing = [f for f in REQUIRED_FILES if not os.path.isfile(os.path.join(path, f))]
+def _check_local_adapter_dir(path: str, files: tuple[str, ...] = REQUIRED_FILES) -> str:
+    missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
     if missing:
         hint = ""
         if os.path.isfile(os.path.join(path, "adapter_config.json")):
@@ -228,8 +228,9 @@ def _why_offline(offline: bool, local_files_only: bool) -> str:
 
 def resolve_adapter_dir(name_or_path: str | os.PathLike, *, revision: str | None = None,
                         subfolder: str | None = None, token: bool | str | None = None,
-                        cache_dir: str | os.PathLike | None = None, local_files_only: bool = False) -> str:
-    """A local directory holding ``focus_config.json`` and ``focus_adapter.safetensors``.
+                        cache_dir: str | os.PathLike | None = None, local_files_only: bool = False,
+                        files: tuple[str, ...] = REQUIRED_FILES) -> str:
+    """A local directory holding ``focus_config.json`` and ``focus_adapter.safetensors`` (or only ``files``).
 
     ``name_or_path`` is an existing local directory (checked first: a local directory is never taken for a
     repo id; ``subfolder`` applies to it too) or a Hub model repo id. Files are fetched with
@@ -237,6 +238,7 @@ def resolve_adapter_dir(name_or_path: str | os.PathLike, *, revision: str | None
     ``HF_HUB_OFFLINE`` and ``local_files_only`` mean what they mean everywhere else. The weights are fetched
     at the exact commit the config came from, so the two files can never come from two different pushes. The
     returned directory is the snapshot folder (plus ``subfolder``) inside the cache: treat it as read-only.
+    ``files=(CONFIG_NAME,)`` resolves the config alone (what `FocusConfig.from_pretrained` needs).
 
     Raises the `HubError` subclasses of this module (all OSErrors) with a message saying what to do.
     """
@@ -249,7 +251,7 @@ def resolve_adapter_dir(name_or_path: str | os.PathLike, *, revision: str | None
         if not os.path.isdir(folder):
             raise AdapterRepoNotFoundError(f"{folder!r} does not exist: the local folder {path!r} has no "
                                            f"subfolder {subfolder!r}.")
-        return _check_local_adapter_dir(folder)
+        return _check_local_adapter_dir(folder, files)
     if os.path.isfile(path):
         raise AdapterRepoNotFoundError(f"{path!r} is a file; pass the folder that holds {CONFIG_NAME} and "
                                        f"{WEIGHTS_NAME}.")
@@ -258,10 +260,10 @@ def resolve_adapter_dir(name_or_path: str | os.PathLike, *, revision: str | None
     repo_id = path
     have: str | None = None  # snapshot dir of the first file, once we have it
     rev = revision
-    filename = REQUIRED_FILES[0]
+    filename = files[0]
     try:
         paths = []
-        for filename in REQUIRED_FILES:
+        for filename in files:
             p = hf.hf_hub_download(repo_id, filename, subfolder=subfolder or None, revision=rev, token=token,
                                    cache_dir=cache_dir, local_files_only=local_files_only,
                                    library_name="focus_flex", library_version=_version())
@@ -278,9 +280,9 @@ def resolve_adapter_dir(name_or_path: str | os.PathLike, *, revision: str | None
             raise
         raise new from err
     snapshot = os.path.dirname(paths[0])
-    if os.path.dirname(paths[1]) != snapshot:  # cannot happen with the cache layout; guard anyway
-        raise IncompleteAdapterError(f"{CONFIG_NAME} and {WEIGHTS_NAME} of {repo_id!r} resolved to different "
-                                     f"folders ({paths}); delete the cached repo under {cdir} and retry.")
+    if any(os.path.dirname(p) != snapshot for p in paths):  # cannot happen with the cache layout; guard anyway
+        raise IncompleteAdapterError(f"{', '.join(files)} of {repo_id!r} resolved to different folders ({paths}); "
+                                     f"delete the cached repo under {cdir} and retry.")
     return snapshot
 
 
@@ -333,7 +335,7 @@ def validate_adapter_folder(folder: str | os.PathLike) -> tuple[FocusConfig, dic
         raise FileNotFoundError(f"{folder!r} is not a directory: `push` takes a folder written by "
                                 f"`FocusAdapter.save_pretrained` (holding {CONFIG_NAME} and {WEIGHTS_NAME}).")
     _check_local_adapter_dir(folder)
-    config = FocusConfig.from_pretrained(folder)
+    config = FocusConfig.from_json_file(os.path.join(folder, CONFIG_NAME))
     table = read_safetensors_header(os.path.join(folder, WEIGHTS_NAME))
     if not table:
         raise ValueError(f"{os.path.join(folder, WEIGHTS_NAME)} holds no tensors: nothing to share.")
@@ -645,7 +647,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
             for f in REQUIRED_FILES:
                 shutil.copyfile(os.path.join(path, f), os.path.join(args.local_dir, f))
             path = os.path.abspath(args.local_dir)
-        config = FocusConfig.from_pretrained(path)
+        config = FocusConfig.from_json_file(os.path.join(path, CONFIG_NAME))
     except (OSError, ValueError) as e:
         return _fail(e)
     print(f"adapter: {path}")

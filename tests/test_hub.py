@@ -595,6 +595,49 @@ def test_focus_adapter_push_to_hub_and_from_pretrained(hub_server, tmp_path):
         FocusAdapter.from_pretrained("alice/tiny-focus", token="hf_alice", revision="v3")
 
 
+def test_focus_config_from_pretrained_takes_what_the_adapter_takes(hub_server, monkeypatch, tmp_path):
+    """FocusConfig.from_pretrained: a local folder or a Hub repo id (revision, subfolder, token, cache, offline),
+    with the errors of FocusAdapter.from_pretrained; from the Hub it fetches the config alone."""
+    cfg1, _ = make_adapter(tmp_path / "v1", seed=1)
+    sha1 = commit_sha(hub.push_folder_to_hub(tmp_path / "v1", "alice/ad", token="hf_alice"))
+    cfg2, _ = make_adapter(tmp_path / "v2", seed=2)
+    cfg2.window = 512
+    cfg2.save_pretrained(tmp_path / "v2")
+    hub.push_folder_to_hub(tmp_path / "v2", "alice/ad", token="hf_alice", revision="dev")
+
+    snapshot = os.path.join(C.HF_HUB_CACHE, "models--alice--ad", "snapshots", sha1)
+    assert FocusConfig.from_pretrained("alice/ad") == cfg1
+    assert os.listdir(snapshot) == [CONFIG_NAME]  # the centroids were not downloaded
+    assert FocusConfig.from_pretrained("alice/ad", revision="dev") == cfg2
+    assert FocusConfig.from_pretrained("alice/ad", revision=sha1, local_files_only=True) == cfg1
+    assert FocusConfig.from_pretrained(tmp_path / "v2") == cfg2  # a local folder, as before
+
+    api = huggingface_hub.HfApi()
+    api.create_repo("alice/multi", token="hf_alice", private=True)
+    api.upload_folder(folder_path=str(tmp_path / "v1"), path_in_repo="smol-w256", repo_id="alice/multi",
+                      token="hf_alice")
+    assert FocusConfig.from_pretrained("alice/multi", subfolder="smol-w256", token="hf_alice") == cfg1
+    with pytest.raises(hub.AdapterFileNotFoundError, match="'smol-w256'.*subfolder="):
+        FocusConfig.from_pretrained("alice/multi", token="hf_alice")
+    with pytest.raises(hub.AdapterRepoNotFoundError, match="hf auth login"):
+        FocusConfig.from_pretrained("alice/multi", subfolder="smol-w256", cache_dir=tmp_path / "fresh")
+    with pytest.raises(hub.AdapterRepoNotFoundError, match="'alice/nothing-here' was not found"):
+        FocusConfig.from_pretrained("alice/nothing-here")
+    with pytest.raises(hub.AdapterRepoNotFoundError, match="neither an existing local directory"):
+        FocusConfig.from_pretrained(tmp_path / "no" / "such" / "folder")
+    with pytest.raises(hub.AdapterRevisionNotFoundError, match="Branches: dev, main"):
+        FocusConfig.from_pretrained("alice/ad", revision="v9")
+    with pytest.raises(ValueError, match="local folder, which has no revisions"):
+        FocusConfig.from_pretrained(tmp_path / "v1", revision="dev")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=f"lacks {CONFIG_NAME}"):
+        FocusConfig.from_pretrained(tmp_path / "empty")
+    monkeypatch.setattr(C, "HF_HUB_OFFLINE", True)
+    assert FocusConfig.from_pretrained("alice/ad", revision="dev") == cfg2  # from the cache
+    with pytest.raises(hub.AdapterNotCachedError, match="HF_HUB_OFFLINE=0"):
+        FocusConfig.from_pretrained("alice/other")
+
+
 def test_focus_adapter_for_another_base_model(hub_server, tmp_path):
     from focus_flex.adapter import FocusAdapter
 
