@@ -146,7 +146,7 @@ print("held-out routing at the end:", {k: round(v, 4) for k, v in history[-1].ge
 # `focus_flex.evaluate.evaluate` scores the same held-out windows with each attention in `EVAL_MODES`:
 #
 # * `full`: the model's own attention (every pair);
-# * `focus`: the trained adapter, hard routing, the fast path (on CPU: chunks of PyTorch's flash kernel);
+# * `focus`: the trained adapter, hard routing, the fast path (the inference kernels);
 # * `window`: window + sinks only, widened until it computes as many pairs as `focus` (same cost, no groups);
 # * `random`: untrained random centroids with the same groups and top-k, their window widened until they too
 #   compute as many pairs as `focus` (same cost, groups that learned nothing).

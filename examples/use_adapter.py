@@ -87,9 +87,9 @@ print(f"prompt: {prompt.shape[1]} tokens, ending with:\n...{tokenizer.decode(pro
 # ## Generate with and without Focus
 #
 # `adapter.attach(model)` switches every attention layer to Focus in place; `adapter.detach(model)`
-# restores the model's own attention exactly. On CPU, Focus runs as chunks of PyTorch's own flash-attention
-# kernel and compiles nothing (decoding builds a small C step once, in about a second); on a GPU the first
-# call compiles FlexAttention kernels, once per length bucket.
+# restores the model's own attention exactly. On CPU, Focus runs on small C kernels that focus_flex builds
+# with the system C compiler on first use (about a second; without a compiler, on PyTorch's own CPU flash
+# attention); on a GPU the first call compiles FlexAttention kernels, once per length bucket.
 
 
 # %%
@@ -148,7 +148,7 @@ print(f"speed-up: {full_time / focus_time:.2f}x (full attention time / Focus tim
 print("Note: the speed-up grows with the context length. Focus computes the window and each token's own "
       "group instead of all pairs, so its cost grows roughly linearly where full attention's grows "
       "quadratically; at a few hundred tokens there is little far attention to skip and Focus is slower. "
-      "See the benchmark in README.md.")
+      "See docs/speed.md for measured speed-ups.")
 if CONTEXT_TOKENS <= 2 * cfg.window:
     print(f"(This prompt is only {CONTEXT_TOKENS} tokens, at most twice the {cfg.window}-token window, so almost "
           f"every pair is inside the window anyway: set CONTEXT_TOKENS to a few thousand to see the difference.)")

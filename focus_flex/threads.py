@@ -33,14 +33,14 @@ def using(n: int) -> Iterator[None]:
 
 def outer() -> int:
     """The intra-op thread count outside any :func:`small_work` block: for the large memory-bound copies inside one
-    (gathering a decode step's keys is ~2x faster on two threads)."""
+    (a decode step's key gathers are bound by memory bandwidth, which more threads do use)."""
     return _outer[0] if _outer else torch.get_num_threads()
 
 
 def small_work(device: torch.device) -> contextlib.AbstractContextManager[None]:
     """Run latency-bound work on one intra-op thread on CPU (elsewhere, unchanged).
 
-    With 2 threads and the other core taken by another process, a 64-dim matmul that takes 20 us on one thread
-    takes ~8 ms.
+    Each parallel region of a small op waits for every thread, so when another process holds a core a tiny op on
+    two threads waits for the scheduler instead of computing (docs/speed.md, "Threads").
     """
     return using(1 if device.type == "cpu" else torch.get_num_threads())

@@ -13,10 +13,9 @@ Two objectives:
   squared error of the layer output; the values decide which lost attention matters). With hard routing
   and keys in one group (``key_top_k = 1``) the Focus row is exactly the Focus attention row of
   :func:`focus_flex.attention.reference_attention`. With keys in k groups a far pair counts
-  ``min(1, shared groups / k)`` instead of 1: a softer target than the hard pattern. Measured on a dev split
-  (README, Quality), it trains routing that leads the equal-density window by as much or more than the exact
-  weighting (``b`` with k units of mass): 0.55 against 0.21 perplexity at 32 groups / keys in 2, 0.63
-  against 0.49 at 48 / 3, 0.69 against 0.70 at 63 / 4, so it is kept.
+  ``min(1, shared groups / k)`` instead of 1: a softer target than the hard pattern, kept because it trains routing
+  that leads the equal-density window by as much or more than the exact weighting (``b`` with k units of mass)
+  on the development split (docs/quality.md, "Far-pair weighting in distill").
 * ``lm`` (end to end, the paper's setup): the adapter runs in ``"soft"`` mode and the next-token loss is
   back-propagated through the frozen model to the centroids (dense soft attention: keep ``seq_len`` ~1K
   on CPU).
