@@ -74,8 +74,8 @@ class FocusAdapter(nn.Module):
     """Centroids ``[n_focus_layers, Hkv, G, D]`` plus the :class:`FocusConfig` that describes them.
 
     ``mode`` chooses the attention path while attached: ``"fast"`` (:func:`~focus_flex.attention.focus_attention`:
-    CPU flash chunks on CPU, compiled FlexAttention elsewhere; inference), ``"soft"`` (differentiable soft routing,
-    training), ``"reference"`` (the dense oracle).
+    the ``flash`` kernel on CPU, compiled FlexAttention elsewhere; inference), ``"soft"`` (differentiable soft routing,
+    training), ``"reference"`` (the dense definition, docs/design.md).
     """
 
     def __init__(self, config: FocusConfig, centroids: torch.Tensor | None = None, *, seed: int = 0):
