@@ -16,14 +16,17 @@ warning that says why.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -36,10 +39,21 @@ if TYPE_CHECKING:
     from focus_flex.decode import KeyIndex
 
 SOURCES = tuple(sorted((Path(__file__).with_name("csrc")).glob("*.c")))
-# -ffp-contract=fast: fused multiply-adds (ISO C mode turns them off). Tried in order: for this CPU's vector
-# instructions with OpenMP, then portable with OpenMP, then portable on one thread.
+# -ffp-contract=fast: fused multiply-adds (ISO C mode turns them off). Tried in order: for the target's vector
+# instructions with OpenMP, then portable with OpenMP, then portable on one thread. The target is this CPU unless
+# FOCUS_FLEX_MARCH names another: an -march value (e.g. x86-64-v3 for AVX2 + FMA) or ``portable`` (the compiler's
+# baseline for this architecture).
 FLAGS = ("-O3", "-std=c11", "-ffp-contract=fast", "-shared", "-fPIC")
-VARIANTS = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
+
+
+def march() -> str:
+    """The build target: ``FOCUS_FLEX_MARCH``, or ``native`` (this CPU)."""
+    return os.environ.get("FOCUS_FLEX_MARCH", "native")
+
+
+def _variants() -> tuple[tuple[str, ...], ...]:
+    portable = (("-fopenmp",), ())
+    return portable if march() == "portable" else ((f"-march={march()}", "-fopenmp"), *portable)
 DTYPES = (torch.float32, torch.bfloat16)
 PREFILL_MAX_D = 256  # prefill.c: head dims up to this, multiples of 16
 _P, _I, _F, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -61,8 +75,8 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
     """Compile the kernels into one shared library (reused if these sources were built with this compiler for this
     CPU before).
 
-    Tries the :data:`VARIANTS` of flags in order. Raises ``RuntimeError`` with the compiler's message if all fail,
-    or if no compiler is found (set ``CC`` to choose one).
+    Tries the variants of flags in order (:func:`_variants`). Raises ``RuntimeError`` with the compiler's message if
+    all fail, or if no compiler is found (set ``CC`` to choose one).
     """
     cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not cc:
@@ -70,7 +84,7 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
     directory = directory or cache_dir()
     source = b"".join(path.read_bytes() for path in SOURCES) + _cpu()
     builds = []  # (flags, library file), best first
-    for variant in VARIANTS:
+    for variant in _variants():
         flags = FLAGS + variant
         key = hashlib.sha256(source + repr((cc, flags)).encode()).hexdigest()[:16]
         builds.append((flags, directory / f"focus_native-{key}.so"))
@@ -95,11 +109,31 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
     raise RuntimeError(f"{cc} could not compile {', '.join(path.name for path in SOURCES)}: {errors[-1]}")
 
 
-@functools.cache
+_disabled = False  # set by disabled()
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Inside this block every path runs its PyTorch fallback instead of the C kernels (benchmarks time both in one
+    process)."""
+    global _disabled
+    before, _disabled = _disabled, True
+    try:
+        yield
+    finally:
+        _disabled = before
+
+
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None (with one warning) where they cannot be built or ``FOCUS_FLEX_NATIVE=0``."""
-    if os.environ.get("FOCUS_FLEX_NATIVE", "1") == "0":
+    """The loaded kernels, or None (with one warning) where they cannot be built, or with ``FOCUS_FLEX_NATIVE=0`` or
+    inside :func:`disabled`."""
+    if _disabled or os.environ.get("FOCUS_FLEX_NATIVE", "1") == "0":
         return None
+    return _load()
+
+
+@functools.cache
+def _load() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(build()))
     except (RuntimeError, OSError) as e:
@@ -112,7 +146,37 @@ def library() -> ctypes.CDLL | None:
     lib.focus_prefill_plan.argtypes, lib.focus_prefill_plan.restype = _PLAN_ARGS, ctypes.c_int
     lib.focus_prefill.argtypes, lib.focus_prefill.restype = _PREFILL_ARGS, ctypes.c_int
     lib.focus_route_top1.argtypes, lib.focus_route_top1.restype = (_P, _N) + (_I,) * 7 + (_P, _I, _I, _P, _N), _N
+    lib.focus_vector_bits.argtypes, lib.focus_vector_bits.restype = (), _N
     return lib
+
+
+def build_targets() -> list[str]:
+    """The build targets this CPU runs, widest first: ``native``, then (on an AVX-512 x86 CPU) ``x86-64-v3``, the
+    AVX2 + FMA build most x86 machines get, then ``portable``."""
+    flags = set(_cpu().decode().split(":", 1)[-1].split())
+    v3 = platform.machine() in ("x86_64", "AMD64") and "avx512f" in flags and {"avx2", "fma"} <= flags
+    return ["native", *(["x86-64-v3"] if v3 else []), "portable"]
+
+
+def vector_isa() -> str:
+    """The vector instructions this CPU has (``AVX-512``, ``AVX2``, ``AVX``, ``SSE``, ``NEON``, ``SVE`` or the
+    machine name), from ``/proc/cpuinfo``."""
+    flags = set(_cpu().decode().split(":", 1)[-1].split())
+    for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"), ("sve", "SVE"), ("asimd", "NEON"),
+                       ("sse2", "SSE")):
+        if flag in flags:
+            return name
+    return platform.machine()
+
+
+def build_label() -> str:
+    """What the C kernels were built for: ``C, 256-bit vectors (target x86-64-v3)``, or why they are not used."""
+    if os.environ.get("FOCUS_FLEX_NATIVE", "1") == "0":
+        return "none (FOCUS_FLEX_NATIVE=0)"
+    lib = library()
+    if lib is None:
+        return "none (no build)"
+    return f"C, {lib.focus_vector_bits()}-bit vectors (target {march()})"
 
 
 def applies(k: torch.Tensor, v: torch.Tensor) -> bool:

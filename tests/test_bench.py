@@ -1,11 +1,12 @@
-"""`focus-flex bench`: a tiny real run writes its report, and a wrong kernel is refused before anything is timed."""
+"""`python -m benchmarks.bench`: a tiny real run writes its report, a wrong kernel is refused before anything is
+timed, and the guard holds."""
 
-import argparse
 import json
 
 import pytest
 
-from focus_flex import attention, bench
+from benchmarks import bench
+from focus_flex import attention, native
 
 
 def test_tiny_run_writes_json_markdown_and_plot(tmp_path):
@@ -15,8 +16,8 @@ def test_tiny_run_writes_json_markdown_and_plot(tmp_path):
     assert all(c["max_abs_diff"] <= c["tolerance"] for c in res["correctness"])
     saved = json.loads((tmp_path / "bench.json").read_text())
     (op,) = saved["op"]
-    assert op["n"] == 512 and op["kernel"] == "flash (C)"
-    assert set(op["times"]) == {"focus", "focus_flex", "sdpa", "window"}
+    assert op["n"] == 512 and op["kernel"] == f"flash (C, {native.library().focus_vector_bits()}-bit)"
+    assert set(op["times"]) == {"focus", "focus_flex", "sdpa", "window", "fallback"}
     assert {"prefill, flash kernel", "prefill, flex kernel", "decode"} <= {c["case"] for c in res["correctness"]}
     assert 0 < op["pair_density"] <= 1 and 0 < op["density"]["total"] <= 2
     assert op["times"]["focus"]["min"] > 0
@@ -25,8 +26,13 @@ def test_tiny_run_writes_json_markdown_and_plot(tmp_path):
         assert (mem["of"], mem["n"]) == ("op", 512) and mem["focus"] > 100 and mem["sdpa"] > 100
     assert 0 < op["density"]["total"] <= 2 and op["recompiles_after_warmup"] == 0
     md = (tmp_path / "bench.md").read_text()
-    assert "## Attention op" in md and "## Peak RSS" in md and "## Targets" in md and "| float32 | 512 |" in md
+    assert "## Attention op" in md and "## Peak RSS" in md and "## Targets" in md and "| float32 | 512 | flash (C" in md
+    assert machine_line(md).startswith(bench.machine_info()["cpu"]) and f"({native.vector_isa()})" in md
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def machine_line(md: str) -> str:
+    return md.splitlines()[2]
 
 
 def test_decode_section_times_both_methods_in_one_process(tmp_path):
@@ -34,9 +40,23 @@ def test_decode_section_times_both_methods_in_one_process(tmp_path):
                           max_seconds=5, log=lambda msg: None)
     (dec,) = res["decode"]
     assert dec["n"] == 600 and dec["tokens"] == 2
-    for method in ("focus", "sdpa"):
+    for method in ("focus", "sdpa", "fallback"):
         assert dec[method]["rounds"] == 2 and dec[method]["tokens_per_s"] > 0
     assert "## Decode" in (tmp_path / "bench.md").read_text()
+
+
+def test_guard_default_kernels_are_not_slower_than_their_fallbacks(tmp_path):
+    """The CI guard: for every build of the C kernels this CPU runs (its own, AVX2 on an AVX-512 CPU, portable), the
+    default prefill, decode step and routing at 8K tokens against the PyTorch fallbacks, in one process per build.
+    A gross inversion (default > 1.3x its fallback's time) makes run_bench raise."""
+    res = bench.run_bench(sections=["guard"], repeats=3, max_seconds=3, output_dir=tmp_path, log=lambda msg: None)
+    assert [r["target"] for r in res["guard"]] == native.build_targets()
+    bits = [int(r["kernel"].split(", ")[1].split("-")[0]) for r in res["guard"]]
+    assert bits == sorted(bits, reverse=True) and bits[-1] >= 128  # each build computes with its own vector width
+    for row in res["guard"]:
+        for part in bench.GUARD_PARTS:
+            assert 0 < row[part]["ratio"] <= bench.GUARD_RATIO
+    assert "## Guard" in (tmp_path / "bench.md").read_text()
 
 
 def test_a_wrong_kernel_is_refused(monkeypatch, tmp_path):
@@ -56,11 +76,10 @@ def test_a_wrong_kernel_is_refused(monkeypatch, tmp_path):
 
 
 def test_cli_flags():
-    parser = argparse.ArgumentParser()
-    bench.add_bench_command(parser.add_subparsers())
-    args = parser.parse_args(["bench", "--lengths", "4k,8192", "--sections", "op,compile", "--dtypes", "bfloat16"])
+    args = bench.build_parser().parse_args(["--lengths", "4k,8192", "--sections", "op,compile", "--dtypes", "bfloat16",
+                                            "--target", "x86-64-v3"])
     assert args.lengths == [4096, 8192] and args.sections == ["op", "compile"] and args.dtypes == ["bfloat16"]
-    assert callable(args.func)
+    assert args.target == "x86-64-v3"
     with pytest.raises(bench.BenchError, match="unknown sections"):
         bench.run_bench(sections=["op", "nope"], output_dir="unused")
 

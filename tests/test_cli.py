@@ -179,11 +179,10 @@ def test_eval_of_a_missing_adapter(tmp_path, capsys):
     assert "cannot load adapter" in capsys.readouterr().err
 
 
-def test_hub_and_bench_commands_are_registered():
+def test_hub_commands_are_registered():
     parser = build_parser()
     assert parser.parse_args(["push", "dir", "me/repo"]).func is hub.cmd_push
     assert parser.parse_args(["pull", "me/repo"]).func is hub.cmd_pull
-    assert callable(parser.parse_args(["bench"]).func)
 
 
 @pytest.mark.slow

@@ -110,6 +110,40 @@ def test_without_the_c_kernels_or_openmp_attention_is_still_exact(case, tmp_path
         assert len(built) == (case == "no OpenMP")
 
 
+WIDTHS = """if True:
+    import torch
+    from focus_flex import FocusConfig, focus_attention, native, reference_attention
+    from focus_flex.decode import KeyIndex
+    cfg = FocusConfig(num_groups=5, window=48, sink_tokens=3)
+    gen = torch.Generator().manual_seed(1)
+    worst = 0.0
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (torch.randn(1, h, 300, 64, generator=gen).to(dtype) for h in (6, 2, 2))
+        c = torch.randn(2, 5, 64, generator=gen)
+        ref = reference_attention(q.float(), k.float(), v.float(), c, cfg)
+        index = KeyIndex(1, 2, 5, "cpu")
+        index.extend(k, c, cfg)
+        step = focus_attention(q[:, :, -1:], k, v, c, cfg, key_index=index)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        worst = max(worst, ((focus_attention(q, k, v, c, cfg).float() - ref).abs().max() / tol).item(),
+                    ((step.float() - ref[:, :, -1:]).abs().max() / tol).item())
+    print(native.library().focus_vector_bits(), worst)
+"""
+
+
+@pytest.mark.parametrize("target", native.build_targets())
+def test_every_vector_width_the_cpu_runs_is_exact(target, tmp_path):
+    """The kernels' tiles are shaped per vector width (512, 256, 128 bits): each build this CPU can run (its own, the
+    AVX2 build on an AVX-512 CPU, the portable one) gives the reference's prefill and decode step."""
+    done = subprocess.run([sys.executable, "-c", WIDTHS], capture_output=True, text=True,
+                          env={**os.environ, "FOCUS_FLEX_CACHE": str(tmp_path), "FOCUS_FLEX_MARCH": target})
+    assert done.returncode == 0, done.stderr[-2000:]
+    bits, worst = done.stdout.split()
+    assert float(worst) <= 1
+    expected = {"x86-64-v3": 256, "portable": 128 if os.uname().machine in ("x86_64", "aarch64") else None}
+    assert int(bits) == expected.get(target) or target == "native"
+
+
 PREFILL_CASES = [
     # (R, Lq, Lk, D, top-k q, top-k k, window, sinks, groups)
     (3, 700, 700, 64, 1, 1, 100, 4, 8),  # SmolLM2's head dim, tiles of both passes, a partial last tile

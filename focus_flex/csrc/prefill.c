@@ -21,13 +21,30 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Tile shapes per vector width, sized so that a step's accumulators stay in the vector registers: KS * NV score
+   accumulators and RS * DV output accumulators, plus the operands (32 registers with AVX-512, 16 with AVX2 and with
+   128-bit SSE / NEON). Accumulators that do not fit spill to memory on every multiply-add. */
+#if defined(__AVX512F__)
 #define W 16            /* floats per vector */
 #define NV 2            /* vectors of rows per tile */
-#define NR (W * NV)     /* rows per tile */
-#define KB 64           /* keys per block */
 #define KS 8            /* keys per score step */
 #define RS 4            /* rows per P V step */
 #define DV 4            /* vectors of the head dimension per P V step */
+#elif defined(__AVX__)
+#define W 8
+#define NV 2
+#define KS 4
+#define RS 4
+#define DV 2
+#else
+#define W 4
+#define NV 4
+#define KS 2
+#define RS 4
+#define DV 2
+#endif
+#define NR (W * NV)     /* rows per tile */
+#define KB 64           /* keys per block */
 #define MAX_D 256       /* largest head dimension (a multiple of W) */
 #define FAR_TAIL 256    /* a far tile ends before its rows' key prefixes differ by more than this */
 #define NONE INT32_MAX  /* coordinate of a padding key: allowed for no row */
@@ -310,6 +327,9 @@ int focus_prefill_plan(int64_t r, int64_t lq, int64_t lk, int64_t window, int64_
     ctiles[groups_n] = nt;
     return 0;
 }
+
+/* The width of the vectors this build computes with, in bits. */
+int focus_vector_bits(void) { return W * 32; }
 
 /* Focus attention of rows (head, query) into out, with the plan of focus_prefill_plan. lse [r * lq] is scratch.
    Returns 0, 1 when out of memory, 2 on a bad argument. */

@@ -1,4 +1,5 @@
-"""``focus-flex bench``: the Focus fast path against its baselines, side by side, on this machine.
+"""``python -m benchmarks.bench`` (from a checkout): the Focus fast path against its baselines, side by side, on this
+machine.
 
 Sections (``--sections``):
 
@@ -20,8 +21,12 @@ Sections (``--sections``):
   the ``focus-flex`` command's.
 * ``compile`` — the flex kernel's first-call compile time (cold inductor cache) and recompiles while lengths vary;
   the C kernels' one-time build (the flash kernel compiles nothing per shape).
+* ``guard`` — for every build of the C kernels this CPU runs (:func:`focus_flex.native.build_targets`: this CPU's
+  own, the AVX2 build on an AVX-512 CPU, the portable one), the default prefill, decode step and routing of one
+  SmolLM2 layer at ``--guard-length`` tokens against their PyTorch fallbacks, alternating in one process; the run
+  fails (exit code 1) where a default takes more than ``GUARD_RATIO`` times its fallback's time.
 
-Every configuration runs in a fresh subprocess (``python -m focus_flex.bench _worker SPEC``), timings with the
+Every configuration runs in a fresh subprocess (``python -m benchmarks.bench _worker SPEC``), timings with the
 allocator setting of the ``focus-flex`` command (:func:`focus_flex.cli.keep_freed_memory`: freed buffers stay in
 the heap instead of being faulted in again at every call; it matters for Focus' temporaries, not for SDPA; it can
 also leave the heap more fragmented, so memory is reported under both settings). There each method is
@@ -51,7 +56,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-SECTIONS = ("op", "prefill", "decode", "memory", "compile")
+SECTIONS = ("op", "prefill", "decode", "memory", "compile", "guard")
+# A build target other than this CPU's own runs PyTorch as a CPU of that kind would too: its kernels (ATen), oneDNN's
+# and MKL's capped at the same instructions. On an AVX-512 machine, x86-64-v3 is then a stand-in for an AVX2 one.
+EMULATE = {"x86-64-v3": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                          "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+           "portable": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
+                        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}}
+GUARD_RATIO = 1.3  # the guard fails where a default kernel takes more than this times its PyTorch fallback's time
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
 HQ, HKV, HEAD_DIM = 9, 3, 64  # SmolLM2-135M attention
 ALLOCATORS = ("default", "focus-flex")  # the C library's malloc as it comes; keep_freed_memory (the CLI's)
@@ -73,10 +85,10 @@ def _names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``bench``; ``args.func(args)`` runs it and returns the exit code."""
-    p = subparsers.add_parser("bench", help="benchmark the Focus fast path against SDPA / FlexAttention",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m benchmarks.bench``."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=_ints, default=[4096, 8192, 16384, 32768], help="op lengths (4096 or 4k)")
     p.add_argument("--dtypes", type=_names, default=["float32", "bfloat16"], help="op dtypes")
     p.add_argument("--prefill-lengths", type=_ints, default=[4096, 8192, 16384], help="SmolLM2 prefill lengths")
@@ -97,23 +109,27 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     p.add_argument("--adapter", default=None,
                    help="trained adapter for prefill/decode (default: benchmarks/smollm2-135m-instruct-focus-g16 "
                         "in a source checkout, else k-means centroids of the model's own keys)")
+    p.add_argument("--guard-length", type=int, default=8192, help="tokens of the guard section")
+    p.add_argument("--target", default="native", choices=["native", *EMULATE],
+                   help="run every section but the guard as on a CPU of this kind: x86-64-v3 (AVX2 + FMA) or portable "
+                        "C kernels, with PyTorch capped at the same instructions (see EMULATE)")
     p.add_argument("--flex-causal-max", type=int, default=16384,
                    help="skip the compiled-flex causal baseline above this length (~2x slower than SDPA: minutes)")
-    p.set_defaults(func=_cli)
     return p
 
 
 def _cli(args: argparse.Namespace) -> int:
     try:
-        prog = "focus-flex" if sys.argv[1:2] == ["bench"] else "python -m focus_flex.bench"
+        prog = "python -m benchmarks.bench"
         run_bench(lengths=args.lengths, dtypes=args.dtypes, repeats=args.repeats, sections=args.sections,
                   output_dir=args.output_dir, prefill_lengths=args.prefill_lengths,
                   decode_lengths=args.decode_lengths, decode_tokens=args.decode_tokens, groups=args.groups,
                   top_k=args.top_k, window=args.window, sinks=args.sinks, block_size=args.block_size,
                   model_dtype=args.model_dtype, adapter=args.adapter, max_seconds=args.max_seconds,
-                  flex_causal_max=args.flex_causal_max, command=" ".join([prog, *sys.argv[1:]]))
+                  flex_causal_max=args.flex_causal_max, guard_length=args.guard_length, target=args.target,
+                  command=" ".join([prog, *sys.argv[1:]]))
     except BenchError as e:
-        print(f"focus-flex bench: {e}", file=sys.stderr)
+        print(f"benchmarks.bench: {e}", file=sys.stderr)
         return 1
     return 0
 
@@ -126,19 +142,25 @@ def run_bench(*, lengths: Sequence[int] = (4096, 8192, 16384, 32768), dtypes: Se
               prefill_lengths: Sequence[int] = (4096, 8192, 16384), decode_lengths: Sequence[int] = (8192, 32768),
               decode_tokens: int = 8, groups: int = 16, top_k: int = 1, window: int = 256, sinks: int = 4,
               block_size: int = 64, model_dtype: str = "float32", adapter: str | None = None,
-              max_seconds: float = 60.0, flex_causal_max: int = 16384, command: str = "",
+              max_seconds: float = 60.0, flex_causal_max: int = 16384, guard_length: int = 8192,
+              target: str = "native", command: str = "",
               log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run the selected sections; write ``bench.json``, ``bench.md`` and ``bench.png`` into ``output_dir``."""
+    """Run the selected sections; write ``bench.json``, ``bench.md`` and ``bench.png`` into ``output_dir``.
+
+    Raises :class:`BenchError` after writing them if the guard section found a default kernel more than
+    :data:`GUARD_RATIO` times slower than its fallback."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     unknown = sorted(set(sections) - set(SECTIONS))
     bad_dtypes = sorted(set(dtypes) - set(TOLERANCE))
     if unknown or bad_dtypes:
         raise BenchError(f"unknown sections {unknown} or dtypes {bad_dtypes}; choose from {SECTIONS} and "
                          f"{tuple(TOLERANCE)}")
+    if target != "native" and target not in EMULATE:
+        raise BenchError(f"unknown target {target!r}; choose native or one of {tuple(EMULATE)}")
     focus = {"num_groups": groups, "query_top_k": top_k, "key_top_k": top_k, "window": window,
              "sink_tokens": sinks, "block_size": block_size}
     started = time.time()
-    results: dict[str, Any] = {"machine": machine_info(), "command": command, "focus": focus,
+    results: dict[str, Any] = {"machine": {**machine_info(), "target": target}, "command": command, "focus": focus,
                                "repeats": repeats, "max_seconds": max_seconds}
     out = Path(output_dir)
 
@@ -147,8 +169,8 @@ def run_bench(*, lengths: Sequence[int] = (4096, 8192, 16384, 32768), dtypes: Se
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench.partial.json").write_text(json.dumps(results, indent=2) + "\n")
     log("checking the fast path against reference_attention ...")
-    results["correctness"] = check_correctness(focus)
-    common = {"focus": focus, "repeats": repeats, "max_seconds": max_seconds}
+    results["correctness"] = check_correctness(focus, flex=bool({"op", "compile"} & set(sections)))
+    common = {"focus": focus, "repeats": repeats, "max_seconds": max_seconds, "target": target}
     if "op" in sections:
         for dtype in dtypes:
             for n in lengths:
@@ -176,6 +198,13 @@ def run_bench(*, lengths: Sequence[int] = (4096, 8192, 16384, 32768), dtypes: Se
                 pair = {m: _run_worker({**spec, "method": m}) for m in ("focus", "sdpa")}
                 results.setdefault("memory", []).append({"of": of, "n": n, "dtype": dtype, "allocator": allocator,
                                                          **{m: r["peak_rss_mb"] for m, r in pair.items()}})
+    if "guard" in sections:
+        from focus_flex import native
+
+        for target in native.build_targets():
+            log(f"guard: C kernels built for {target}, N={guard_length} ...")
+            worker("guard", {**common, "task": "guard", "n": guard_length, "target": target,
+                             "repeats": max(repeats, 5)})
     if "compile" in sections:
         log("compile ...")
         worker("compile", {**common, "task": "compile", "dtype": dtypes[0]})
@@ -189,11 +218,17 @@ def run_bench(*, lengths: Sequence[int] = (4096, 8192, 16384, 32768), dtypes: Se
     (out / "bench.md").write_text(to_markdown(results))
     plot(results, out / "bench.png")
     log(f"wrote {out / 'bench.md'}, bench.json, bench.png ({results['wall_seconds']:.0f} s)")
+    inverted = [f"{r['kernels']}: {part} {r[part]['ratio']:.2f}x its fallback's time"
+                for r in results.get("guard", []) for part in GUARD_PARTS if r[part]["ratio"] > GUARD_RATIO]
+    if inverted:
+        raise BenchError(f"guard: a default kernel is more than {GUARD_RATIO}x slower than its PyTorch fallback "
+                         f"({'; '.join(inverted)}; see {out / 'bench.md'})")
     return results
 
 
 def machine_info() -> dict[str, Any]:
-    """Date, CPU, cores and library versions, for the report header."""
+    """Date, CPU, its vector instructions, what the C kernels were built for, cores and library versions, for the
+    report header."""
     import transformers
 
     cpu = platform.processor() or platform.machine()
@@ -201,19 +236,22 @@ def machine_info() -> dict[str, Any]:
         cpu = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text()).group(1).strip()
     except (OSError, AttributeError):
         pass
-    return {"date": datetime.date.today().isoformat(), "cpu": cpu, "cores": os.cpu_count(),
+    from focus_flex import native
+
+    return {"date": datetime.date.today().isoformat(), "cpu": cpu, "isa": native.vector_isa(),
+            "kernels_built": native.build_label(), "cores": os.cpu_count(),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
             "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
 
 
-BENCH_ADAPTER = Path(__file__).resolve().parent.parent / "benchmarks" / "smollm2-135m-instruct-focus-g16"
+CHECKOUT = Path(__file__).resolve().parent.parent  # the source checkout this file belongs to
+BENCH_ADAPTER = CHECKOUT / "benchmarks" / "smollm2-135m-instruct-focus-g16"
 
 
 def _find_adapter() -> str | None:
-    """The trained adapter of the prefill and decode sections: SmolLM2 centroids in issue 5's configuration (G=16,
-    top-1 queries and keys), kept next to the benchmark results in a source checkout; None elsewhere (then k-means
-    centroids of the model's own keys)."""
+    """The trained adapter of the prefill and decode sections: SmolLM2 centroids with G=16, top-1 queries and keys,
+    kept next to the benchmark results; None if it is missing (then k-means centroids of the model's own keys)."""
     from focus_flex.config import CONFIG_NAME, WEIGHTS_NAME
 
     found = (BENCH_ADAPTER / CONFIG_NAME).is_file() and (BENCH_ADAPTER / WEIGHTS_NAME).is_file()
@@ -221,9 +259,12 @@ def _find_adapter() -> str | None:
 
 
 def _run_worker(spec: dict[str, Any], timeout: float = 3600) -> dict[str, Any]:
-    """Run one configuration in a fresh interpreter; its last stdout line is ``RESULT <json>``."""
-    cmd = [sys.executable, "-m", "focus_flex.bench", "_worker", json.dumps(spec)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    """Run one configuration in a fresh interpreter, as on a CPU of ``spec["target"]``'s kind (:data:`EMULATE`; the C
+    kernels built for it); its last stdout line is ``RESULT <json>``."""
+    cmd = [sys.executable, "-m", "benchmarks.bench", "_worker", json.dumps(spec)]
+    target = spec.get("target", "native")
+    env = {**os.environ, "FOCUS_FLEX_MARCH": target, **EMULATE.get(target, {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=CHECKOUT)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("RESULT "):
             return json.loads(line[7:])
@@ -234,8 +275,9 @@ def _run_worker(spec: dict[str, Any], timeout: float = 3600) -> dict[str, Any]:
 # ---- keeping it honest ---------------------------------------------------------------------------
 
 
-def check_correctness(focus: dict[str, Any]) -> list[dict[str, Any]]:
-    """Fast path vs the reference at a small length (prefill with padding, chunked prefill, decode), fp32 and bf16.
+def check_correctness(focus: dict[str, Any], flex: bool = True) -> list[dict[str, Any]]:
+    """Fast path vs the reference at a small length (prefill with padding, chunked prefill, decode), fp32 and bf16;
+    the prefill on the default kernel, and on the flex kernel too if ``flex`` (it compiles for a while).
 
     Raises :class:`BenchError` if any case exceeds the tolerance (1e-4 fp32, 2e-2 bf16): no speedup is reported for a
     kernel that is not exact.
@@ -261,7 +303,8 @@ def check_correctness(focus: dict[str, Any]) -> list[dict[str, Any]]:
             if name == "decode, key index":  # what a KV cache hands the few-queries path: O(selected keys)
                 index = KeyIndex(b, HKV, cfg.num_groups, k.device)
                 index.extend(k, c, cfg)
-            kernels = [None] if lq <= attention.DECODE_MAX_QUERIES else _kernels(cfg)
+            kernels = [None] if lq <= attention.DECODE_MAX_QUERIES else _kernels(cfg) if flex else \
+                [attention.default_kernel(q.device, cfg)]
             for kernel in kernels:
                 got = attention.focus_attention(q, k, v, c, cfg, attention_mask=mask, key_index=index, kernel=kernel)
                 err = (got.float() - ref).abs().max().item()
@@ -361,11 +404,14 @@ def balanced_inputs(n: int, dtype: torch.dtype, groups: int, seed: int = 0) -> t
 
 
 def kernel_label(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Any) -> str:
-    """The default prefill kernel for these inputs: ``flex``, ``flash (C)`` or ``flash (PyTorch)``."""
+    """The default prefill kernel for these inputs: ``flex``, ``flash (C, 256-bit)`` or ``flash (PyTorch)``."""
     from focus_flex import attention, native
 
     kernel = attention.default_kernel(q.device, cfg)
-    return kernel if kernel == "flex" else f"flash ({'C' if native.prefill_applies(q, k, v) else 'PyTorch'})"
+    if kernel == "flex":
+        return kernel
+    return f"flash (C, {native.library().focus_vector_bits()}-bit)" if native.prefill_applies(q, k, v) else \
+        "flash (PyTorch)"
 
 
 def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -388,6 +434,10 @@ def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     def focus_flex() -> torch.Tensor:
         return attention.focus_attention(q, k, v, c, cfg, kernel="flex")
+
+    def fallback() -> torch.Tensor:  # the default kernel's PyTorch fallback (no C kernels)
+        with native.disabled():
+            return attention.focus_attention(q, k, v, c, cfg)
 
     def sdpa() -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -432,7 +482,10 @@ def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
     focus_flex()  # compiles this length's bucket
     res["flex_first_call_s"] = time.perf_counter() - t
     window()
+    fallback()
     methods = {"focus": focus, "sdpa": sdpa, "focus_flex": focus_flex, "window": window}
+    if fused:
+        methods["fallback"] = fallback
     if kernel == "flex":
         del methods["focus_flex"]
     if spec.get("flex_causal"):
@@ -574,6 +627,9 @@ def _prefill_worker(spec: dict[str, Any]) -> dict[str, Any]:
     times = _measure({"focus": forward, "sdpa": lambda: _as_sdpa(model, adapter, forward)}, spec["repeats"],
                      spec["max_seconds"])
     flash.far_plan, native.prefill_plan, attention.plan_attention = far_plan, prefill_plan, plan_attention
+    if native.library() is not None:  # the default kernel's PyTorch fallback, after the pair above
+        with native.disabled():
+            times.update(_measure({"fallback": forward}, spec["repeats"], spec["max_seconds"]))
     res.update(times)
     hq = model.config.num_attention_heads
     res["density"] = pair_density(n, cfg, sum(far_pairs) / max(len(far_pairs), 1) * model.config.num_key_value_heads
@@ -632,7 +688,8 @@ def _decode_setup(spec: dict[str, Any]) -> tuple[Any, Any, Callable[[], Any], to
     with torch.inference_mode():
         out = model(ids, use_cache=True, logits_to_keep=1)
     kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-    capacity = n + (spec.get("repeats", 1) + 1) * steps + 4  # two warm-up steps, then rounds of `steps`
+    capacity = n + (2 * spec.get("repeats", 1) + 1) * steps + 4  # warm-up steps, then rounds of `steps` (x2: Focus
+    # with and without the C kernels share a cache)
     reps = -(-n // real)
 
     def fresh_cache() -> Any:  # the real prefill's K/V tiled to n tokens (attention cost does not depend on values)
@@ -650,6 +707,8 @@ def _decode_worker(spec: dict[str, Any]) -> dict[str, Any]:
     Focus stays attached (detaching drops its key index, and re-routing the whole cache is not a decode cost)."""
     import copy
 
+    from focus_flex import native
+
     model, adapter, fresh_cache, first = _decode_setup(spec)
     steps = spec["tokens"]
     models = {"sdpa": copy.deepcopy(model), "focus": adapter.attach(model)}
@@ -660,8 +719,14 @@ def _decode_worker(spec: dict[str, Any]) -> dict[str, Any]:
     def step(name: str) -> None:
         last[name] = _decode_steps(models[name], steps, caches[name], last[name])
 
-    times = _measure({name: lambda name=name: step(name) for name in ("focus", "sdpa")}, spec["repeats"],
-                     spec["max_seconds"])
+    def fallback() -> None:  # the same model and cache without the C kernels
+        with native.disabled():
+            step("focus")
+
+    methods = {"focus": lambda: step("focus"), "sdpa": lambda: step("sdpa")}
+    if native.library() is not None:
+        methods["fallback"] = fallback
+    times = _measure(methods, spec["repeats"], spec["max_seconds"])
     res: dict[str, Any] = {"n": spec["n"], "tokens": steps, "model_dtype": spec["model_dtype"],
                            "adapter": spec.get("adapter") or "k-means"}
     for name, t in times.items():
@@ -750,6 +815,44 @@ def _compile_worker(spec: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
+GUARD_PARTS = ("prefill", "decode step", "routing")
+GUARD_DECODE_STEPS = 20  # decode steps per timing (one is ~1 ms)
+
+
+def _guard_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One layer's default prefill, decode step (on a key index of the whole sequence) and top-1 routing against the
+    same with the C kernels disabled, alternating."""
+    from focus_flex import attention, native, routing
+    from focus_flex.config import FocusConfig
+    from focus_flex.decode import KeyIndex
+
+    cfg = FocusConfig(**spec["focus"])
+    q, k, v, c = balanced_inputs(spec["n"], torch.float32, cfg.num_groups)
+    index = KeyIndex(1, HKV, cfg.num_groups, "cpu")
+    index.extend(k, c, cfg)
+    q1 = q[:, :, -1:].contiguous()
+
+    def decode() -> None:
+        for _ in range(GUARD_DECODE_STEPS):
+            attention.focus_attention(q1, k, v, c, cfg, key_index=index)
+
+    parts = {"prefill": lambda: attention.focus_attention(q, k, v, c, cfg), "decode step": decode,
+             "routing": lambda: routing.hard_groups(q, c, 1)}
+    res: dict[str, Any] = {"n": spec["n"], "target": spec["target"], "kernels": native.build_label(),
+                           "kernel": kernel_label(q, k, v, cfg)}
+    for name, fn in parts.items():
+        def fallback(fn: Callable[[], Any] = fn) -> None:
+            with native.disabled():
+                fn()
+
+        fn(), fallback()  # warm-up
+        t = _measure({"default": fn, "fallback": fallback}, spec["repeats"], spec["max_seconds"])
+        scale = GUARD_DECODE_STEPS if name == "decode step" else 1
+        res[name] = {"default": t["default"]["min"] / scale, "fallback": t["fallback"]["min"] / scale,
+                     "ratio": t["default"]["min"] / t["fallback"]["min"]}
+    return res
+
+
 def _worker_main(argv: list[str]) -> int:
     from focus_flex.cli import keep_freed_memory
 
@@ -757,7 +860,7 @@ def _worker_main(argv: list[str]) -> int:
     if spec.get("allocator", "focus-flex") == "focus-flex":
         keep_freed_memory()  # the allocator setting of the focus-flex command, for every method alike
     task = {"op": _op_worker, "prefill": _prefill_worker, "decode": _decode_worker, "memory": _memory_worker,
-            "compile": _compile_worker}
+            "compile": _compile_worker, "guard": _guard_worker}
     if spec["task"] == "compile" and not os.environ.get("FOCUS_BENCH_WARM"):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="focus-bench-inductor-")  # cold cache
     result = task[spec["task"]](spec)
@@ -776,7 +879,7 @@ def _op_row(r: dict[str, Any]) -> dict[str, Any]:
            "speedup": s / f, "ideal": ideal, "fraction": s / f / ideal, "plan": r["plan"]["min"],
            "plan_share": r["plan"]["min"] / f, "window": t["window"]["min"], "density": r["density"],
            "pair_density": r.get("pair_density"), "first_call": r.get("flex_first_call_s", r["first_call_s"])}
-    for name in ("flex_causal", "focus_flex"):
+    for name in ("flex_causal", "focus_flex", "fallback"):
         if name in t:
             row[name] = t[name]["min"]
     return row
@@ -839,8 +942,11 @@ def to_markdown(results: dict[str, Any]) -> str:
     """The report: header, one table per section, targets."""
     m, f = results["machine"], results["focus"]
     lines = [f"# focus-flex bench — {m['date']}", "",
-             f"{m['cpu']}, {m['cores']} cores ({m['threads']} threads), torch {m['torch']}, "
-             f"transformers {m['transformers']}, load average at start {m['load_average']:.1f}.  ",
+             f"{m['cpu']} ({m.get('isa', '?')}), {m['cores']} cores ({m['threads']} threads), torch {m['torch']}, "
+             f"transformers {m['transformers']}, load average at start {m['load_average']:.1f}. "
+             + (f"C kernels: {m.get('kernels_built', '?')}.  " if m.get("target", "native") == "native" else
+                f"**Run as a `{m['target']}` CPU** (C kernels built for it; PyTorch capped to its instructions: "
+                f"{', '.join(f'{k}={v}' for k, v in EMULATE[m['target']].items())}).  "),
              f"Focus: G={f['num_groups']}, top-k {f['query_top_k']}, window {f['window']}, {f['sink_tokens']} sinks, "
              f"block {f['block_size']}. Times are min over repeats (median in JSON); ratios are baseline / Focus, "
              f"measured side by side in the same process.", ""]
@@ -854,41 +960,47 @@ def to_markdown(results: dict[str, Any]) -> str:
         lines += ["## Attention op (one SmolLM2 layer: 9 query / 3 KV heads, head dim 64, balanced routing)", "",
                   f"Focus runs the default kernel ({', '.join(kernels)}); `Focus flex` is the same attention on the "
                   "block-sparse compiled-FlexAttention kernel. The ideal speedup is causal blocks / computed blocks "
-                  "of the block-sparse pattern; pair density is allowed pairs / causal pairs.", "",
-                  "| dtype | N | Focus ms | SDPA ms | x SDPA | Focus flex ms | flex causal ms | window-only ms | "
-                  "block density (local+far) | ideal x | % of ideal | pair density | routing+plan ms (% of Focus) | "
-                  "flex first call s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "of the block-sparse pattern; pair density is allowed pairs / causal pairs. `PyTorch fallback` is "
+                  "the default kernel without the C kernels (`FOCUS_FLEX_NATIVE=0`).", "",
+                  "| dtype | N | kernel | Focus ms | SDPA ms | x SDPA | PyTorch fallback ms | Focus flex ms | "
+                  "flex causal ms | window-only ms | block density (local+far) | ideal x | % of ideal | pair density | "
+                  "routing+plan ms (% of Focus) | flex first call s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in map(_op_row, results["op"]):
             d = row["density"]
-            ff, fc = row.get("focus_flex"), row.get("flex_causal")
+            ff, fc, fb = row.get("focus_flex"), row.get("flex_causal"), row.get("fallback")
             pd = row["pair_density"]
-            lines.append(f"| {row['dtype']} | {row['n']} | {_ms(row['focus'])} | {_ms(row['sdpa'])} | "
-                         f"{row['speedup']:.2f} | {_ms(ff) if ff else '-'} | {_ms(fc) if fc else '-'} | "
+            lines.append(f"| {row['dtype']} | {row['n']} | {row['kernel']} | {_ms(row['focus'])} | "
+                         f"{_ms(row['sdpa'])} | "
+                         f"{row['speedup']:.2f} | {_ms(fb) if fb else '-'} | {_ms(ff) if ff else '-'} | "
+                         f"{_ms(fc) if fc else '-'} | "
                          f"{_ms(row['window'])} | {d['local']:.3f}+{d['far']:.3f}={d['total']:.3f} | "
                          f"{row['ideal']:.1f} | {row['fraction']:.0%} | {f'{pd:.3f}' if pd else '-'} | "
                          f"{_ms(row['plan'])} ({row['plan_share']:.0%}) | {row['first_call']:.1f} |")
         lines.append("")
     if results.get("prefill"):
         lines += ["## Prefill (SmolLM2-135M end to end, `logits_to_keep=1`)", "",
-                  "| N | dtype | adapter | kernel | Focus s | SDPA s | x SDPA | real-routing pair density | "
-                  "warm-up s |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| N | dtype | adapter | kernel | Focus s | SDPA s | x SDPA | PyTorch fallback s | "
+                  "real-routing pair density | warm-up s |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in results["prefill"]:
+            fb = f"{r['fallback']['min']:.1f}" if "fallback" in r else "-"
             lines.append(f"| {r['n']} | {r['model_dtype']} | {Path(r['adapter']).name} | {r.get('kernel', 'flex')} | "
                          f"{r['focus']['min']:.1f} | "
-                         f"{r['sdpa']['min']:.1f} | {r['sdpa']['min'] / r['focus']['min']:.2f} | "
+                         f"{r['sdpa']['min']:.1f} | {r['sdpa']['min'] / r['focus']['min']:.2f} | {fb} | "
                          f"{r['density']:.3f} | {r['compile_s']:.1f} |")
         lines.append("")
     if results.get("decode"):
         lines += ["## Decode (tokens/s on a KV cache of N tokens; both methods in one process, alternating rounds of "
                   "steps, each on its own preallocated cache; best round)", "",
-                  "| cache N | dtype | steps x rounds | Focus tok/s | SDPA tok/s | x SDPA |", "|---" * 6 + "|"]
+                  "| cache N | dtype | steps x rounds | Focus tok/s | SDPA tok/s | x SDPA | PyTorch fallback tok/s |",
+                  "|---" * 7 + "|"]
         for r in results["decode"]:
             rounds = min(r[m].get("rounds", 1) for m in ("focus", "sdpa"))
+            fb = f"{r['fallback']['tokens_per_s']:.2f}" if "fallback" in r else "-"
             lines.append(f"| {r['n']} | {r['model_dtype']} | {r['tokens']} x {rounds} | "
                          f"{r['focus']['tokens_per_s']:.2f} | {r['sdpa']['tokens_per_s']:.2f} | "
-                         f"{r['focus']['tokens_per_s'] / r['sdpa']['tokens_per_s']:.2f} |")
+                         f"{r['focus']['tokens_per_s'] / r['sdpa']['tokens_per_s']:.2f} | {fb} |")
         fit = decode_fit(results["decode"])
         if fit:
             f, s = fit["focus"], fit["sdpa"]
@@ -917,6 +1029,18 @@ def to_markdown(results: dict[str, Any]) -> str:
             lines += [f"The C kernels (the flash kernel's prefill and the decode step) build once per machine and "
                       f"serve every length and dtype: {c['native_build_s']:.1f} s with the system compiler into an "
                       f"empty cache ({c['native_build']}).", ""]
+    if results.get("guard"):
+        lines += ["## Guard (default kernels against their PyTorch fallbacks, float32, alternating in one process)",
+                  "", f"Fails where a default takes more than {GUARD_RATIO}x its fallback's time (ratio = default / "
+                  "fallback; below 1 the default is faster).", "",
+                  "| C kernels built for | N | " + " | ".join(f"{p} default ms | fallback ms | ratio"
+                                                           for p in GUARD_PARTS) + " |",
+                  "|---|---|" + "---|---|---|" * len(GUARD_PARTS)]
+        for r in results["guard"]:
+            cells = [f"{_ms(r[p]['default'])} | {_ms(r[p]['fallback'])} | "
+                     f"{'**' if r[p]['ratio'] > GUARD_RATIO else ''}{r[p]['ratio']:.2f}" for p in GUARD_PARTS]
+            lines.append(f"| {r['kernels']} | {r['n']} | " + " | ".join(cells) + " |")
+        lines.append("")
     if results.get("targets"):
         lines += ["## Targets", "", "| target | measured | goal | met |", "|---|---|---|---|"]
         for t in results["targets"]:
@@ -961,15 +1085,11 @@ def plot(results: dict[str, Any], path: str | os.PathLike) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m focus_flex.bench [args]`` (the same as ``focus-flex bench``)."""
+    """``python -m benchmarks.bench [args]``."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_worker"]:
         return _worker_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="focus_flex.bench")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_bench_command(sub)
-    args = parser.parse_args(["bench", *argv])
-    return args.func(args)
+    return _cli(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":
