@@ -24,6 +24,7 @@ import torch
 
 from focus_flex.config import FocusConfig
 from focus_flex.evaluate import MODES, PLOT_PNG, RESULTS_JSON, RESULTS_MD, check_modes, results_markdown, save_results
+from focus_flex.passkey import DEFAULT_DEPTHS, DEFAULT_LENGTHS, HAYSTACKS, PASSKEY_MODES
 from focus_flex.train import TrainConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -301,9 +302,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         raise CliError(f"cannot load adapter {args.adapter!r}: {e}") from e
     _check_numbers(args)
+    known = MODES if args.task == "perplexity" else PASSKEY_MODES
+    if args.modes is None:  # each task's own default: all of its modes
+        args.modes = list(known)
     if not args.modes:
-        raise CliError(f"--modes needs at least one of {', '.join(MODES)}")
-    _check_modes(args.modes)
+        raise CliError(f"--modes needs at least one of {', '.join(known)}")
+    if args.task == "passkey":
+        _check_passkey_flags(args)
+    else:
+        _check_modes(args.modes)
     for flag, field in (("--query-top-k", "query_top_k"), ("--key-top-k", "key_top_k")):
         value = getattr(args, field)
         if value is not None:
@@ -313,6 +320,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             except ValueError as e:
                 raise CliError(f"{flag} {value}: the adapter has {adapter.config.num_groups} groups per KV head; "
                                f"choose 1 to {adapter.config.num_groups} ({e}).") from e
+    if args.task == "passkey":
+        return _eval_passkey(args, adapter)
     eval_source, eval_split = _eval_source(args, training=False)
     name = args.model or adapter.config.base_model
     model, tokenizer = _load_model(name, args.revision or adapter.config.base_model_revision, args.dtype,
@@ -324,9 +333,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         adapter.check_compatible(model)
     except ValueError as e:
         raise CliError(str(e)) from e
-    where = os.path.abspath(args.adapter) if os.path.isdir(args.adapter) else args.adapter
-    parent, name = os.path.split(where.rstrip("/"))  # retrofit saves every adapter as .../RUN/adapter
-    out = args.output_dir or os.path.join("runs", f"eval-{_slug(parent)}-{_slug(name)}")
+    out = _eval_output_dir(args)
     command = "focus-flex " + shlex.join(args.argv)
     extra = adapter.config.extra
     extra.setdefault("trained_with", extra.get("command"))
@@ -335,6 +342,58 @@ def cmd_eval(args: argparse.Namespace) -> int:
                        "adapter": args.adapter, "focus_config": adapter.config.to_dict()}, command)
     print(f"results: {out}")
     return 0
+
+
+def _eval_output_dir(args: argparse.Namespace) -> str:
+    where = os.path.abspath(args.adapter) if os.path.isdir(args.adapter) else args.adapter
+    parent, name = os.path.split(where.rstrip("/"))  # retrofit saves every adapter as .../RUN/adapter
+    return args.output_dir or os.path.join("runs", f"eval-{_slug(parent)}-{_slug(name)}")
+
+
+def _check_passkey_flags(args: argparse.Namespace) -> None:
+    """The passkey flags that need no model, checked before any model loads (lengths: after, against its context)."""
+    wrong = sorted(set(args.modes) - set(PASSKEY_MODES))
+    if wrong:
+        raise CliError(f"--modes {wrong}: --task passkey runs {', '.join(PASSKEY_MODES)}")
+    if "window" in args.modes and "focus" not in args.modes:
+        raise CliError("--modes window needs focus too (its window is set so that its density matches focus's)")
+    bad = [d for d in args.depths if not 0 <= d <= 100]
+    if bad:
+        raise CliError(f"--depths {bad}: a depth is a percentage of the haystack, 0 to 100")
+    if args.keys_per_cell < 1:
+        raise CliError(f"--keys-per-cell {args.keys_per_cell}: must be >= 1")
+
+
+def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
+    """``eval --task passkey``: retrieval of full attention, Focus and the window at Focus's density."""
+    from focus_flex.passkey import check_passkey_args, passkey_eval, passkey_protocol, save_passkey
+
+    model, tokenizer = _load_model(args.model or adapter.config.base_model,
+                                   args.revision or adapter.config.base_model_revision, args.dtype,
+                                   _device(args.device))
+    try:
+        adapter.check_compatible(model)
+        check_passkey_args(model, args.lengths, args.depths, args.keys_per_cell, args.haystacks, args.modes)
+    except ValueError as e:
+        raise CliError(str(e).replace("length ", "--lengths ", 1)) from e
+    out = _eval_output_dir(args)
+    command = "focus-flex " + shlex.join(args.argv)
+    results = passkey_eval(model, tokenizer, adapter, args.lengths, args.depths, args.keys_per_cell, args.haystacks,
+                           args.modes, seed=args.seed, progress=not args.no_progress)
+    meta = {"command": command, "adapter": args.adapter, "focus_config": adapter.config.to_dict(),
+            "cpu": _cpu_name()}
+    save_passkey(out, results, meta, passkey_protocol(args.dtype))
+    print(f"results: {out}")
+    return 0
+
+
+def _cpu_name() -> str | None:
+    """The CPU's model name (Linux), recorded with timings."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
 
 
 # ---- parser -----------------------------------------------------------------------------------------
@@ -412,14 +471,21 @@ def build_parser() -> argparse.ArgumentParser:
     k = e.add_argument_group("routing at inference (the same centroids; more groups per token, more far pairs)")
     k.add_argument("--query-top-k", type=int, default=None, help="groups each query joins (default: the adapter's)")
     k.add_argument("--key-top-k", type=int, default=None, help="groups each key joins (default: the adapter's)")
+    e.add_argument("--task", choices=["perplexity", "passkey"], default="perplexity",
+                   help="perplexity on held-out text (default), or passkey retrieval (docs/passkey.md)")
+    pk = e.add_argument_group("passkey retrieval (--task passkey)")
+    pk.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS), help="prompt lengths (tokens)")
+    pk.add_argument("--depths", type=int, nargs="+", default=list(DEFAULT_DEPTHS),
+                    help="needle depths (%% of the haystack)")
+    pk.add_argument("--keys-per-cell", type=int, default=2, help="keys per (haystack, length, depth)")
+    pk.add_argument("--haystacks", nargs="+", choices=list(HAYSTACKS), default=list(HAYSTACKS))
+    pk.add_argument("--seed", type=int, default=0, help="seed of the keys")
     _add_common(e, training=False)
-    e.set_defaults(func=cmd_eval)
+    e.set_defaults(func=cmd_eval, modes=None)  # --modes default: all of the task's modes
 
-    from focus_flex.bench import add_bench_command
     from focus_flex.hub import add_hub_commands
 
     add_hub_commands(sub)
-    add_bench_command(sub)
     return parser
 
 

@@ -1,0 +1,456 @@
+"""Passkey retrieval: does attention still find one fact planted far back in a long context?
+
+Protocol (Mohtashami & Jaggi, 2023, adapted to an instruct model; docs/passkey.md has the reasoning):
+
+* **Key.** Five random digits ``10000-99999`` (``random.Random`` seeded by haystack, length, depth and key number, so
+  every mode sees the same keys and prompts).
+* **Needle.** ``" The pass key is 71432. Remember it. 71432 is the pass key."`` inserted into the haystack.
+* **Haystacks.** ``filler``: the classic ``"The grass is green. The sky is blue. ..."`` repeated; ``prose``: a
+  contiguous excerpt of the held-out books of the shipped corpus (split ``eval``, never used in training), a
+  different excerpt for every key.
+* **Prompt** (exactly ``length`` tokens, the model's chat template, one user turn and the start of the answer)::
+
+      <|im_start|>system\\n...<|im_end|>\\n<|im_start|>user\\n{INSTRUCTION}{haystack with needle}{QUESTION}<|im_end|>\\n
+      <|im_start|>assistant\\n{ANSWER_PREFIX}
+
+  Models without a chat template get ``{INSTRUCTION}{haystack}{QUESTION}\\n{ANSWER_PREFIX}``.
+* **Depth.** The needle starts at (the sentence boundary nearest to) ``depth`` % of the haystack's tokens.
+* **Scoring.** Greedy decoding (KV cache) of up to :data:`MAX_NEW_TOKENS` tokens; correct iff the first run of
+  digits in the answer is exactly the key.
+* **Modes.** ``full``: the model's own attention. ``focus``: the adapter attached, hard routing (inference path,
+  prefill and decode). ``window``: window + sinks only, the window set so that its density over ``length`` tokens
+  matches ``focus``'s density measured on the prefills of the same haystack and length
+  (:func:`focus_flex.evaluate.matching_window`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from focus_flex.adapter import FocusAdapter, has_focus
+from focus_flex.evaluate import RoutingMeter, matching_window, window_density, window_only
+from focus_flex.models import max_context
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+HAYSTACKS = ("filler", "prose")
+PASSKEY_MODES = ("full", "focus", "window")
+INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+               "I will quiz you about the important information there.\n\n")
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = "\n\nWhat is the pass key?"
+ANSWER_PREFIX = "The pass key is"
+MAX_NEW_TOKENS = 8  # " 7 1 4 3 2 ." and a margin: the key's digits are single tokens in SmolLM2's vocabulary
+DEFAULT_LENGTHS, DEFAULT_DEPTHS = (2048, 4096), (10, 50, 90)
+PASSKEY_JSON, PASSKEY_MD = "passkey.json", "passkey.md"
+SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s*$")
+
+
+@dataclass
+class PasskeyPrompt:
+    """One prompt: ``input_ids [length]``, the key, and where the needle and the key's digits are (token indices)."""
+
+    input_ids: torch.Tensor
+    key: str
+    needle: tuple[int, int]  # [start, end) of the needle's tokens in input_ids
+    key_tokens: list[int]  # positions of the first copy of the key's tokens
+    depth: float  # where the needle starts, in % of the haystack's tokens
+
+
+@dataclass
+class PasskeyResult:
+    """One key of one cell in one mode."""
+
+    mode: str
+    haystack: str
+    length: int
+    depth: int  # requested depth (%)
+    key_number: int
+    key: str
+    answer: str
+    correct: bool
+    needle_depth: float  # actual depth of the needle start (% of the haystack)
+    density: float  # fraction of causal pairs computed in the prefill (Focus layers)
+    seconds: float
+
+
+# ---- prompts -------------------------------------------------------------------------------------
+
+
+def make_key(haystack: str, length: int, depth: int, number: int, seed: int = 0) -> str:
+    """The 5-digit key of one cell and key number (the same in every mode)."""
+    return str(random.Random(f"{seed}/{haystack}/{length}/{depth}/{number}").randint(10000, 99999))
+
+
+def _wrap(tokenizer: Any, body: str) -> tuple[str, str]:
+    """Text before and after the user's message ``body``: the chat template's user turn + answer prefix."""
+    marker = "\x00BODY\x00"
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                             add_generation_prompt=True)
+        before, after = text.split(marker)
+        return before, after + ANSWER_PREFIX
+    return "", "\n" + ANSWER_PREFIX
+
+
+def haystack_ids(tokenizer: Any, haystack: str, n: int, number: int = 0) -> list[int]:
+    """``n`` token ids of haystack text: the filler repeated, or the ``number``-th excerpt of the held-out books."""
+    if haystack == "filler":
+        one = tokenizer(" " + FILLER, add_special_tokens=False)["input_ids"]
+        return (one * (n // len(one) + 1))[:n]
+    if haystack != "prose":
+        raise ValueError(f"haystack {haystack!r} unknown: choose from {HAYSTACKS}")
+    ids = _held_out_ids(tokenizer)
+    if len(ids) < n:
+        raise ValueError(f"the held-out books hold {len(ids)} tokens, fewer than the {n} asked for")
+    start = (number * 7919 * 64) % (len(ids) - n - 63)  # different excerpts for different keys, deterministic
+    start = _next_boundary(tokenizer, ids, start)  # from the start of a sentence
+    return ids[start:start + n]
+
+
+_BOOKS: dict[int, list[int]] = {}
+
+
+def _held_out_ids(tokenizer: Any) -> list[int]:
+    """Token ids of the shipped held-out books, concatenated (cached per tokenizer)."""
+    if id(tokenizer) not in _BOOKS:
+        from focus_flex.data import load_documents
+
+        docs = [" ".join(doc.split()) for doc in load_documents(None, "eval")]  # one line: no hard-wrap newlines
+        _BOOKS[id(tokenizer)] = [t for doc in docs for t in tokenizer(doc, add_special_tokens=False)["input_ids"]]
+    return _BOOKS[id(tokenizer)]
+
+
+def build_prompt(tokenizer: Any, length: int, depth: float, key: str, haystack: str = "filler",
+                 number: int = 0) -> PasskeyPrompt:
+    """A prompt of exactly ``length`` tokens with the needle at ``depth`` % of the haystack (module docstring)."""
+    if not 0 <= depth <= 100:
+        raise ValueError(f"depth {depth} is outside 0-100 (% of the haystack)")
+    before, after = _wrap(tokenizer, "")
+    head = tokenizer(before + INSTRUCTION, add_special_tokens=False)["input_ids"]
+    tail = tokenizer(QUESTION + after, add_special_tokens=False)["input_ids"]
+    enc = tokenizer(NEEDLE.format(key=key), add_special_tokens=False, return_offsets_mapping=True)
+    needle, offsets = enc["input_ids"], enc["offset_mapping"]
+    n = length - len(head) - len(tail) - len(needle)
+    if n < 1:
+        raise ValueError(f"length {length} leaves no room for a haystack (the prompt's fixed parts take "
+                         f"{length - n} tokens)")
+    hay = haystack_ids(tokenizer, haystack, n, number)
+    at = _nearest_boundary(tokenizer, hay, round(depth / 100 * n))
+    ids = head + hay[:at] + needle + hay[at:] + tail
+    first = NEEDLE.format(key=key).index(key)
+    key_tokens = [len(head) + at + i for i, (s, e) in enumerate(offsets) if s < first + len(key) and e > first]
+    return PasskeyPrompt(torch.tensor(ids), key, (len(head) + at, len(head) + at + len(needle)), key_tokens,
+                         100 * at / n)
+
+
+def _next_boundary(tokenizer: Any, ids: list[int], start: int, reach: int = 64) -> int:
+    """The first position at or after ``start`` (within ``reach`` tokens) right after a sentence end."""
+    return next((at for at in range(start, start + reach) if at == 0 or SENTENCE_END.search(
+        tokenizer.decode(ids[at - 1:at]))), start)
+
+
+def _nearest_boundary(tokenizer: Any, ids: list[int], target: int, reach: int = 64) -> int:
+    """The position nearest ``target`` (within ``reach`` tokens) right after a sentence end, else ``target``."""
+    for delta in range(reach + 1):
+        for at in (target - delta, target + delta):
+            if at == 0 or at == len(ids):
+                return at
+            if 0 < at < len(ids) and SENTENCE_END.search(tokenizer.decode(ids[at - 1:at])):
+                return at
+    return target
+
+
+# ---- scoring -------------------------------------------------------------------------------------
+
+
+def score(answer: str, key: str) -> bool:
+    """Correct iff the first run of digits in ``answer`` is exactly ``key``."""
+    found = re.search(r"\d+", answer)
+    return found is not None and found.group() == key
+
+
+@torch.no_grad()
+def greedy_answer(model: nn.Module, tokenizer: Any, input_ids: torch.Tensor,
+                  max_new_tokens: int = MAX_NEW_TOKENS) -> str:
+    """Greedy continuation of ``input_ids [L]`` (KV cache), stopped after the first run of digits or at EOS."""
+    device = next(model.parameters()).device
+    out = model(input_ids=input_ids[None].to(device), use_cache=True)
+    new: list[int] = []
+    for _ in range(max_new_tokens):
+        token = int(out.logits[0, -1].argmax())
+        if token == tokenizer.eos_token_id:
+            break
+        new.append(token)
+        text = tokenizer.decode(new)
+        if re.search(r"\d[^\d]", text):  # the first number is complete
+            break
+        out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=out.past_key_values,
+                    use_cache=True)
+    return tokenizer.decode(new)
+
+
+class _PrefillMeter(RoutingMeter):
+    """:class:`RoutingMeter` counting the prefill only (decode steps attend to a cache: not a square pattern)."""
+
+    @torch.no_grad()
+    def __call__(self, adapter: FocusAdapter, args: tuple, output: Any) -> None:
+        if args[2].shape[2] == args[3].shape[2]:
+            super().__call__(adapter, args, output)
+
+
+# ---- the evaluation ------------------------------------------------------------------------------
+
+
+def check_passkey_args(model: nn.Module, lengths: list[int] | tuple[int, ...], depths: list[int] | tuple[int, ...],
+                       keys_per_cell: int, haystacks: list[str] | tuple[str, ...],
+                       modes: list[str] | tuple[str, ...]) -> None:
+    """Raise ``ValueError`` with the reason for any input :func:`passkey_eval` cannot run."""
+    limit = max_context(model)
+    for length in lengths:
+        if not 64 <= length <= limit:
+            raise ValueError(f"length {length}: must be between 64 and the model's context of {limit} tokens "
+                             "(config.max_position_embeddings)")
+    for depth in depths:
+        if not 0 <= depth <= 100:
+            raise ValueError(f"depth {depth} is outside 0-100 (% of the haystack)")
+    if keys_per_cell < 1:
+        raise ValueError(f"keys_per_cell {keys_per_cell}: must be >= 1")
+    if not lengths or not depths or not haystacks or not modes:
+        raise ValueError("lengths, depths, haystacks and modes each need at least one value")
+    for name, given, known in (("haystack", haystacks, HAYSTACKS), ("mode", modes, PASSKEY_MODES)):
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise ValueError(f"{name} {unknown} unknown: choose from {known}")
+    if "window" in modes and "focus" not in modes:
+        raise ValueError("window needs focus too (its window is set so that its density matches focus's)")
+
+
+def passkey_eval(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None,
+                 lengths: list[int] | tuple[int, ...] = DEFAULT_LENGTHS,
+                 depths: list[int] | tuple[int, ...] = DEFAULT_DEPTHS, keys_per_cell: int = 2,
+                 haystacks: list[str] | tuple[str, ...] = HAYSTACKS,
+                 modes: list[str] | tuple[str, ...] = PASSKEY_MODES, *, seed: int = 0,
+                 progress: bool = True) -> list[PasskeyResult]:
+    """Passkey retrieval of every (mode, haystack, length, depth, key) (module docstring for the protocol).
+
+    ``adapter`` (needed for ``focus`` and ``window``) must not be attached; it is attached for ``focus`` only.
+    """
+    check_passkey_args(model, lengths, depths, keys_per_cell, haystacks, modes)
+    if ("focus" in modes) and adapter is None:
+        raise ValueError("mode focus needs an adapter")
+    if has_focus(model):
+        raise RuntimeError("A Focus adapter is attached to this model, so 'full' would not be the model's own "
+                           "attention: detach it before passkey_eval() (which attaches the adapter itself).")
+    modes = [m for m in PASSKEY_MODES if m in modes]
+    cells = [(h, n, d, k) for h in haystacks for n in lengths for d in depths for k in range(keys_per_cell)]
+    prompts = {c: build_prompt(tokenizer, c[1], c[2], make_key(*c, seed=seed), c[0], c[3]) for c in cells}
+    results: list[PasskeyResult] = []
+    was_training, old_mode = model.training, adapter.mode if adapter is not None else None
+    model.eval()
+    bar = tqdm(total=len(cells) * len(modes), desc="passkey", disable=not progress)
+    try:
+        for haystack in haystacks:
+            for length in lengths:
+                group = [c for c in cells if c[:2] == (haystack, length)]
+                densities: list[float] = []
+                for mode in modes:
+                    for cell in group:
+                        bar.set_postfix_str(f"{mode} {haystack} {length} {cell[2]}%")
+                        densities.append(_run(model, tokenizer, adapter, mode, cell, prompts[cell], densities,
+                                              results))
+                        bar.update()
+    finally:
+        bar.close()
+        model.train(was_training)
+        if adapter is not None:
+            adapter.mode = old_mode
+    return results
+
+
+def _run(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None, mode: str, cell: tuple[str, int, int, int],
+         prompt: PasskeyPrompt, focus_densities: list[float], results: list[PasskeyResult]) -> float:
+    """One prompt in one mode, appended to ``results``; returns the density (``focus``'s feed the window)."""
+    haystack, length, depth, number = cell
+    t0 = time.perf_counter()
+    if mode == "full":
+        answer, density = greedy_answer(model, tokenizer, prompt.input_ids), 1.0
+    elif mode == "focus":
+        assert adapter is not None
+        adapter.mode = "fast"
+        adapter.attach(model)
+        meter = _PrefillMeter(adapter)
+        try:
+            answer = greedy_answer(model, tokenizer, prompt.input_ids)
+        finally:
+            density, _ = meter.close()
+            adapter.detach(model)
+    else:
+        assert adapter is not None
+        cfg = adapter.config
+        focus = [r.density for r in results if r.mode == "focus" and (r.haystack, r.length) == (haystack, length)]
+        w = matching_window(length, cfg.sink_tokens, sum(focus) / len(focus))
+        with window_only(model, w, cfg.sink_tokens, cfg.layers):
+            answer = greedy_answer(model, tokenizer, prompt.input_ids)
+        density = window_density(length, w, cfg.sink_tokens)
+    results.append(PasskeyResult(mode, haystack, length, depth, number, prompt.key, answer,
+                                 score(answer, prompt.key), prompt.depth, density, time.perf_counter() - t0))
+    return density
+
+
+# ---- analysis: which heads read the key, and what Focus keeps of them ------------------------------
+
+
+@dataclass
+class KeyAttention:
+    """Attention of the answer's queries onto the key, per Focus layer and query head (``[layers, Hq]`` tensors).
+
+    The queries are the positions that predict the answer's tokens (the prompt's last token, then the key's own
+    tokens, teacher-forced); "key tokens" are the digits of both copies of the key in the needle.
+    """
+
+    layers: list[int]
+    mass: torch.Tensor  # full attention's probability mass on the key tokens, mean over the answer's queries
+    kept: torch.Tensor  # the part of ``mass`` on pairs the hard Focus pattern computes (window, sinks, shared group)
+    kept_all: torch.Tensor  # the part of all of full attention's mass that the hard pattern computes
+    shared: torch.Tensor  # fraction of (answer query, key token) pairs whose groups intersect
+    query_groups: torch.Tensor  # [layers, Hq, answer queries, query_top_k] groups of the answer's queries
+    key_groups: torch.Tensor  # [layers, Hkv, key tokens, key_top_k] groups of the key tokens
+
+
+@torch.no_grad()
+def key_attention(model: nn.Module, tokenizer: Any, prompt: PasskeyPrompt, adapter: FocusAdapter) -> KeyAttention:
+    """Where full attention reads the key from, and how much of it the adapter's hard pattern keeps.
+
+    One forward with the model's own attention over the prompt plus the key's answer tokens (teacher-forced);
+    routing is applied to that forward's post-RoPE q/k, so every layer is judged on the vectors full attention
+    computes (its input is not yet changed by Focus in the layers below).
+    """
+    from focus_flex import routing
+    from focus_flex.train import teacher_qkv
+
+    answer = tokenizer(" " + prompt.key, add_special_tokens=False)["input_ids"]
+    ids = torch.cat([prompt.input_ids, torch.tensor(answer[:-1])])
+    n, queries = len(ids), torch.arange(len(prompt.input_ids) - 1, len(ids))
+    keys = torch.tensor([i for i in range(*prompt.needle) if tokenizer.decode(ids[i:i + 1]).strip().isdigit()])
+    qkv = teacher_qkv(model, ids[None])
+    cfg = adapter.config
+    out: dict[str, list[torch.Tensor]] = {f: [] for f in ("mass", "kept", "kept_all", "shared", "qg", "kg")}
+    i, j = queries[:, None], torch.arange(n)[None, :]
+    local = (j <= i) & ((i - j < cfg.window) | (j < cfg.sink_tokens))  # [Q, N]
+    for layer in cfg.layers:
+        q, k, scale = qkv[layer].q[0].float(), qkv[layer].k[0].float(), qkv[layer].scale
+        rep = q.shape[0] // k.shape[0]
+        probs = (q[:, queries] @ k.repeat_interleave(rep, 0).transpose(-1, -2)) * (scale or q.shape[-1] ** -0.5)
+        probs = probs.masked_fill(j > i, float("-inf")).softmax(-1)  # [Hq, Q, N]
+        c = adapter.centroids[adapter.slot[layer]].detach().float()
+        qm = routing.hard_membership(q[None, :, queries], c, cfg.query_top_k)[0]  # [Hq, Q]
+        km = routing.hard_membership(k[None], c, cfg.key_top_k)[0].repeat_interleave(rep, 0)  # [Hq, N]
+        share = (qm[:, :, None] & km[:, None, :]) != 0
+        allowed = local | (share & (j <= i))
+        mass = probs[..., keys].sum(-1)  # [Hq, Q]
+        out["mass"].append(mass.mean(-1))
+        out["kept"].append((probs * allowed)[..., keys].sum(-1).mean(-1) / mass.mean(-1).clamp_min(1e-30))
+        out["kept_all"].append((probs * allowed).sum(-1).mean(-1))
+        out["shared"].append(share[..., keys].float().mean((-1, -2)))
+        out["qg"].append(routing.hard_groups(q[None, :, queries], c, cfg.query_top_k)[0])
+        out["kg"].append(routing.hard_groups(k[None, :, keys], c, cfg.key_top_k)[0])
+    stack = {f: torch.stack(v) for f, v in out.items()}
+    return KeyAttention(list(cfg.layers), stack["mass"], stack["kept"], stack["kept_all"], stack["shared"],
+                        stack["qg"], stack["kg"])
+
+
+# ---- reporting -----------------------------------------------------------------------------------
+
+
+def _tally(results: list[PasskeyResult]) -> str:
+    return f"{sum(r.correct for r in results)}/{len(results)}"
+
+
+def passkey_markdown(results: list[PasskeyResult], protocol: str = "") -> str:
+    """Markdown tables: correct/total per mode and length for each haystack, then per depth."""
+    modes = list(dict.fromkeys(r.mode for r in results))
+    lines = []
+    for haystack in dict.fromkeys(r.haystack for r in results):
+        rows = [r for r in results if r.haystack == haystack]
+        lengths = sorted({r.length for r in rows})
+        depths = sorted({r.depth for r in rows})
+        lines += [f"**Haystack `{haystack}`**: keys retrieved (correct/total) and density (% of causal pairs)", "",
+                  "| mode | " + " | ".join(f"{n} tokens" for n in lengths) + " | all | density |",
+                  "|---" * (len(lengths) + 3) + "|"]
+        for mode in modes:
+            cells = [[r for r in rows if r.mode == mode and r.length == n] for n in lengths]
+            mine = [r for r in rows if r.mode == mode]
+            dens = ", ".join(f"{100 * sum(r.density for r in c) / len(c):.1f}%" for c in cells if c)
+            lines.append(f"| {mode} | " + " | ".join(_tally(c) for c in cells) + f" | {_tally(mine)} | {dens} |")
+        lines += ["", "| mode \\ depth | " + " | ".join(f"{d}%" for d in depths) + " |", "|---" * (len(depths) + 1)
+                  + "|"]
+        for mode in modes:
+            lines.append(f"| {mode} | " + " | ".join(_tally([r for r in rows if r.mode == mode and r.depth == d])
+                                                    for d in depths) + " |")
+        lines.append("")
+    return "\n".join(lines) + ("\n" + protocol.strip() + "\n" if protocol else "")
+
+
+def plot_passkey(results: list[PasskeyResult], mode: str, path: str) -> str:
+    """PNG heatmap of one mode: fraction of keys retrieved per depth (rows) and length (columns), per haystack."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    haystacks = list(dict.fromkeys(r.haystack for r in results))
+    fig, axes = plt.subplots(1, len(haystacks), figsize=(3.2 * len(haystacks) + 1, 3.4), dpi=120, squeeze=False)
+    for ax, haystack in zip(axes[0], haystacks, strict=True):
+        rows = [r for r in results if r.mode == mode and r.haystack == haystack]
+        lengths, depths = sorted({r.length for r in rows}), sorted({r.depth for r in rows})
+        grid = torch.full((len(depths), len(lengths)), float("nan"))
+        for i, d in enumerate(depths):
+            for j, n in enumerate(lengths):
+                cell = [r for r in rows if r.depth == d and r.length == n]
+                if cell:
+                    grid[i, j] = sum(r.correct for r in cell) / len(cell)
+                    ax.text(j, i, _tally(cell), ha="center", va="center", fontsize=8)
+        image = ax.imshow(grid.numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d}%" for d in depths])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("needle depth")
+        ax.set_title(f"{mode}, {haystack}", fontsize=9)
+    fig.colorbar(image, ax=axes[0].tolist(), fraction=0.05, label="keys retrieved")
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def save_passkey(directory: str, results: list[PasskeyResult], meta: dict[str, Any], protocol: str) -> dict[str, str]:
+    """Write ``passkey.json``, ``passkey.md`` and one ``passkey_{mode}.png`` per mode; returns their paths."""
+    os.makedirs(directory, exist_ok=True)
+    paths = {PASSKEY_JSON: os.path.join(directory, PASSKEY_JSON), PASSKEY_MD: os.path.join(directory, PASSKEY_MD)}
+    with open(paths[PASSKEY_JSON], "w") as f:
+        json.dump({**meta, "protocol": protocol, "results": [asdict(r) for r in results]}, f, indent=2)
+        f.write("\n")
+    with open(paths[PASSKEY_MD], "w") as f:
+        f.write(passkey_markdown(results, protocol))
+    for mode in dict.fromkeys(r.mode for r in results):
+        name = f"passkey_{mode}.png"
+        paths[name] = plot_passkey(results, mode, os.path.join(directory, name))
+    return paths
+
+
+def passkey_protocol(dtype: str) -> str:
+    """One paragraph describing the protocol, for the reports."""
+    return ("Passkey retrieval: a 5-digit key in the needle \"" + NEEDLE.format(key="NNNNN").strip() + "\" at the "
+            "given depth of the haystack (`filler`: \"" + FILLER + "\" repeated; `prose`: excerpts of the shipped "
+            "held-out books), the whole prompt in the model's chat template with the answer started as \""
+            + ANSWER_PREFIX + "\"; correct iff greedy decoding's first number is the key; " + dtype + ". Window-only: "
+            "window + sinks at focus's density measured on the same prompts.")

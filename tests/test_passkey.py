@@ -1,0 +1,136 @@
+"""Tests of focus_flex.passkey: prompts, scoring, the three modes on the real SmolLM2, and ``eval --task passkey``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from focus_flex import FocusAdapter
+from focus_flex import passkey as P
+from focus_flex.cli import main
+from focus_flex.evaluate import window_only
+
+ADAPTER = str(Path(__file__).resolve().parents[1] / "hub" / "smollm2-135m-instruct-focus")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from focus_flex.models import load_model
+
+    return load_model()
+
+
+def test_score_takes_the_first_number_exactly():
+    assert P.score(" 71432.", "71432")
+    assert P.score(" 7 1 4 3 2", "71432") is False  # digits must form one number
+    assert not P.score(" 71433.", "71432")
+    assert not P.score(" 714321", "71432")  # a longer number is not the key
+    assert not P.score(" 1. 71432", "71432")  # only the first number counts
+    assert not P.score(" unknown", "71432")
+
+
+def test_keys_are_five_digits_fixed_per_cell_and_distinct_across_cells():
+    keys = {P.make_key(h, n, d, k) for h in P.HAYSTACKS for n in (2048, 4096) for d in (10, 50) for k in range(2)}
+    assert len(keys) == 16 and all(len(k) == 5 and k.isdigit() for k in keys)
+    assert P.make_key("filler", 2048, 10, 0) == P.make_key("filler", 2048, 10, 0)
+    assert P.make_key("filler", 2048, 10, 0, seed=1) != P.make_key("filler", 2048, 10, 0)
+
+
+def test_bad_arguments_raise_clear_errors():
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512))
+    ok = dict(lengths=[256], depths=[50], keys_per_cell=1, haystacks=["filler"], modes=["full"])
+    P.check_passkey_args(model, **ok)
+    for change, match in [({"lengths": [1024]}, "context of 512"), ({"depths": [101]}, "outside 0-100"),
+                          ({"depths": [-5]}, "outside 0-100"), ({"keys_per_cell": 0}, ">= 1"),
+                          ({"haystacks": ["lorem"]}, "unknown"), ({"modes": ["soft"]}, "unknown"),
+                          ({"modes": ["full", "window"]}, "needs focus"), ({"depths": []}, "at least one")]:
+        with pytest.raises(ValueError, match=match):
+            P.check_passkey_args(model, **{**ok, **change})
+    with pytest.raises(ValueError, match="needs an adapter"):
+        P.passkey_eval(model, None, None, [256], [50], 1, ["filler"], ["full", "focus"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("haystack", P.HAYSTACKS)
+def test_prompt_has_the_length_and_puts_the_key_at_the_depth(smollm2, haystack):
+    _, tok = smollm2
+    for length, depth in [(512, 0), (1024, 10), (2048, 50), (2048, 90), (1024, 100)]:
+        p = P.build_prompt(tok, length, depth, "71432", haystack, number=3)
+        assert p.input_ids.shape == (length,)
+        assert tok.decode(p.input_ids[p.key_tokens]).strip() == "71432"
+        assert tok.decode(p.input_ids[p.needle[0]:p.needle[1]]) == P.NEEDLE.format(key="71432")
+        text = tok.decode(p.input_ids)
+        assert text.count("71432") == 2 and text.endswith("What is the pass key?<|im_end|>\n<|im_start|>assistant\n"
+                                                            "The pass key is")
+        hay = length - (p.needle[1] - p.needle[0]) - (len(tok.encode(text.split("\n\n", 1)[0] + "\n\n")))
+        assert abs(p.depth - depth) <= 100 * 64 / hay  # within the sentence-boundary search
+        if haystack == "filler":  # a filler sentence is ~5 tokens: the needle is within one sentence of the depth
+            assert abs(p.depth - depth) <= 100 * 6 / hay
+    other = P.build_prompt(tok, 1024, 50, "71432", haystack, number=4)
+    assert (haystack == "prose") == (not torch.equal(other.input_ids, P.build_prompt(tok, 1024, 50, "71432", haystack,
+                                                                                     number=3).input_ids))
+
+
+@pytest.mark.slow
+def test_full_attention_retrieves_and_a_blind_window_does_not(smollm2):
+    """Real SmolLM2 at 512 tokens: full attention reads the key back; a window that cannot see the needle fails."""
+    model, tok = smollm2
+    p = P.build_prompt(tok, 512, 20, "58213", "filler")
+    answer = P.greedy_answer(model, tok, p.input_ids)
+    assert P.score(answer, "58213"), answer
+    with window_only(model, 32, 4):  # the needle ends ~380 tokens before the question
+        blind = P.greedy_answer(model, tok, p.input_ids)
+    assert not P.score(blind, "58213"), blind
+    assert P.greedy_answer(model, tok, p.input_ids) == answer  # the model's own attention is back
+
+
+@pytest.mark.slow
+def test_eval_task_passkey_writes_table_json_and_heatmaps(tmp_path, capsys):
+    out = tmp_path / "pk"
+    assert main(["eval", ADAPTER, "--task", "passkey", "--lengths", "384", "--depths", "30", "--keys-per-cell", "1",
+                 "--output-dir", str(out), "--no-progress"]) == 0
+    data = json.loads((out / P.PASSKEY_JSON).read_text())
+    rows = data["results"]
+    assert {(r["mode"], r["haystack"]) for r in rows} == {(m, h) for m in P.PASSKEY_MODES for h in P.HAYSTACKS}
+    assert {r["length"] for r in rows} == {384} and all(len(r["key"]) == 5 for r in rows)
+    assert all(r["correct"] == P.score(r["answer"], r["key"]) for r in rows)
+    full = [r for r in rows if r["mode"] == "full"]
+    assert all(r["correct"] for r in full), full  # 384 tokens: the model's own attention retrieves
+    focus = {r["haystack"]: r["density"] for r in rows if r["mode"] == "focus"}
+    window = {r["haystack"]: r["density"] for r in rows if r["mode"] == "window"}
+    for h in P.HAYSTACKS:
+        assert 0 < focus[h] < 1 and window[h] >= focus[h]  # the window is matched to focus's measured density
+    table = (out / P.PASSKEY_MD).read_text()
+    assert "| full | 1/1 | 1/1 |" in table and "Haystack `prose`" in table
+    for mode in P.PASSKEY_MODES:
+        assert (out / f"passkey_{mode}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data["focus_config"]["num_groups"] == FocusAdapter.from_pretrained(ADAPTER).config.num_groups
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--depths", "150"], "0 to 100"),
+    (["--keys-per-cell", "0"], ">= 1"),
+    (["--modes", "soft"], "runs full, focus, window"),
+    (["--modes", "full", "window"], "needs focus"),
+])
+def test_eval_task_passkey_rejects_bad_flags_before_loading_a_model(argv, match, capsys):
+    assert main(["eval", ADAPTER, "--task", "passkey", *argv]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_eval_rejects_an_unknown_task(capsys):
+    with pytest.raises(SystemExit):
+        main(["eval", ADAPTER, "--task", "needle"])
+    assert "invalid choice: 'needle'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_eval_task_passkey_rejects_lengths_above_the_context(tmp_path, capsys):
+    assert main(["eval", ADAPTER, "--task", "passkey", "--lengths", "2048", "9000",
+                 "--output-dir", str(tmp_path)]) == 2
+    assert "--lengths 9000" in capsys.readouterr().err
