@@ -34,7 +34,7 @@ from focus_flex.decode import KeyIndex
 from focus_flex.threads import small_work
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt2")
-MODES = ("fast", "reference", "soft")
+ATTENTION_MODES = ("fast", "reference", "soft")  # what adapter.mode may be
 IMPLEMENTATION = "focus"
 
 
@@ -112,8 +112,8 @@ class FocusAdapter(nn.Module):
 
     @mode.setter
     def mode(self, value: str) -> None:
-        if value not in MODES:
-            raise ValueError(f"mode={value!r}; choose one of {MODES}")
+        if value not in ATTENTION_MODES:
+            raise ValueError(f"mode={value!r}; choose one of {ATTENTION_MODES}")
         self._mode = value
 
     # ---- construction ------------------------------------------------------------------------

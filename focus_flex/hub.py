@@ -266,7 +266,7 @@ def resolve_adapter_dir(name_or_path: str | os.PathLike, *, revision: str | None
         for filename in files:
             p = hf.hf_hub_download(repo_id, filename, subfolder=subfolder or None, revision=rev, token=token,
                                    cache_dir=cache_dir, local_files_only=local_files_only,
-                                   library_name="focus_flex", library_version=_version())
+                                   library_name="focus_flex", library_version=_library_version())
             paths.append(p)
             if have is None:
                 have = os.path.dirname(p)
@@ -294,7 +294,7 @@ def _commit_of(snapshot_dir: str, subfolder: str | None) -> str | None:
     return sha if _COMMIT_SHA.match(sha) and os.path.basename(os.path.dirname(d)) == "snapshots" else None
 
 
-def _version() -> str:
+def _library_version() -> str:
     from focus_flex import __version__
 
     return __version__
