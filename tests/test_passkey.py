@@ -134,3 +134,21 @@ def test_eval_task_passkey_rejects_lengths_above_the_context(tmp_path, capsys):
     assert main(["eval", ADAPTER, "--task", "passkey", "--lengths", "2048", "9000",
                  "--output-dir", str(tmp_path)]) == 2
     assert "--lengths 9000" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_key_attention_finds_heads_reading_the_key_and_what_the_pattern_keeps(smollm2):
+    model, tok = smollm2
+    adapter = FocusAdapter.from_pretrained(ADAPTER)
+    p = P.build_prompt(tok, 512, 20, "58213", "filler")
+    ka = P.key_attention(model, tok, p, adapter)
+    assert ka.mass.shape == ka.kept.shape == (30, 9) and ka.query_groups.shape == (30, 9, 6, 1)
+    assert ka.key_groups.shape == (30, 3, 10, adapter.config.key_top_k)  # both copies of the 5 digits
+    assert float(ka.mass.max()) > 0.3  # some head puts a third of the answer's attention on the key
+    assert bool((ka.kept >= 0).all() and (ka.kept <= 1 + 1e-5).all() and (ka.kept_all <= 1 + 1e-5).all())
+    assert float((ka.mass * ka.kept).sum() / ka.mass.sum()) < 0.9  # the needle is ~380 tokens back: some is lost
+    adapter.config.window = 1024  # the whole prompt is local: the pattern is full attention
+    wide = P.key_attention(model, tok, p, adapter)
+    assert torch.allclose(wide.kept, torch.ones_like(wide.kept), atol=1e-4)
+    assert torch.allclose(wide.kept_all, torch.ones_like(wide.kept_all), atol=1e-4)
+    assert torch.equal(wide.mass, ka.mass)
