@@ -409,7 +409,8 @@ def plot_passkey(results: list[PasskeyResult], mode: str, path: str) -> str:
     import matplotlib.pyplot as plt
 
     haystacks = list(dict.fromkeys(r.haystack for r in results))
-    fig, axes = plt.subplots(1, len(haystacks), figsize=(3.2 * len(haystacks) + 1, 3.4), dpi=120, squeeze=False)
+    fig, axes = plt.subplots(1, len(haystacks), figsize=(3.2 * len(haystacks) + 1, 3.4), dpi=120, squeeze=False,
+                             layout="constrained")
     for ax, haystack in zip(axes[0], haystacks, strict=True):
         rows = [r for r in results if r.mode == mode and r.haystack == haystack]
         lengths, depths = sorted({r.length for r in rows}), sorted({r.depth for r in rows})
@@ -424,7 +425,8 @@ def plot_passkey(results: list[PasskeyResult], mode: str, path: str) -> str:
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
         ax.set_yticks(range(len(depths)), [f"{d}%" for d in depths])
         ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("needle depth")
+        if ax is axes[0][0]:
+            ax.set_ylabel("needle depth")
         ax.set_title(f"{mode}, {haystack}", fontsize=9)
     fig.colorbar(image, ax=axes[0].tolist(), fraction=0.05, label="keys retrieved")
     fig.savefig(path)
