@@ -208,12 +208,14 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, sc
           lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One FlexAttention call (compiled; inside a trace, the plain op the trace compiles): output ``[B, H, L, Dv]``
     and, if ``lse``, the log-sum-exp ``[B, H, L]`` flex returns (-inf on rows with no key)."""
-    flex = flex_attention if torch.compiler.is_compiling() else compiled_flex()
     gqa = q.shape[1] != k.shape[1]
-    if lse:
-        out, aux = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
-        return out, aux.lse
-    return flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa), None
+    aux = {"return_aux": AuxRequest(lse=True)} if lse else {}
+    if torch.compiler.is_compiling():
+        out = flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, **aux)
+    else:
+        with using(outer()):  # the kernel on the caller's threads, inside the single-threaded small work
+            out = compiled_flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, **aux)
+    return (out[0], out[1].lse) if lse else (out, None)
 
 
 def _rows(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
@@ -225,6 +227,15 @@ def _rows(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 def _channel(flags: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Bool ``[B, H or 1, L]`` -> one head-dim channel ``[B, H, L, 1]`` of ``like``'s dtype, for ``torch.cat``."""
     return flags[..., None].to(like.dtype).expand(like.shape[0], like.shape[1], -1, 1)
+
+
+SCORE_PAD = 16  # the extra-key score channel comes with zeros up to this many channels: CPU flex vectorises by 16
+
+
+def _score_channel(x: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[B, H, L, D]`` with ``column`` ``[B, H, L, 1]`` appended as channel D, zero-padded to D + 16 channels
+    (a 65-channel q/k measured ~15% slower than an 80-channel one in compiled CPU flex)."""
+    return F.pad(torch.cat([x, column.to(x.dtype)], -1), (0, SCORE_PAD - 1))
 
 
 def _extra_key_lse(out: torch.Tensor, score: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,19 +255,18 @@ def _extra_key_lse(out: torch.Tensor, score: torch.Tensor, d: int) -> tuple[torc
     return o.masked_fill(~has[..., None], 0.0), torch.where(has, lse, float("-inf"))
 
 
-def _local_score(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, config: FocusConfig,
+def _local_score(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, plan: LocalPlan, config: FocusConfig,
                  scale: float) -> torch.Tensor:
     """The local call's extra-key score per query ``[B, Hq, Lq]`` (fp32): its highest score among its own key and its
     sinks. No other allowed key outscores it by the ~e^87 that would underflow the extra key's mass in fp32, short of
     extreme logits. O(Lq (1 + sinks) D)."""
-    (b, hq, lq, d), (hkv, lk), s = q.shape, k.shape[1:3], config.sink_tokens
+    (_, hq, lq, d), (hkv, lk), s = q.shape, k.shape[1:3], config.sink_tokens
     qf = q.float().unflatten(1, (hkv, hq // hkv))  # [B, Hkv, rep, Lq, D]
     best = (qf * k[:, :, None, lk - lq:].float()).sum(-1)  # the query's own key
     if s > 0:
-        pos = token_positions(valid)
-        sink = torch.searchsorted(pos, torch.arange(s, device=k.device).expand(b, s).contiguous())  # [B, s]
-        ks = k.gather(2, sink.clamp_max(lk - 1)[:, None, :, None].expand(-1, hkv, -1, d)).float()
-        seen = (sink < lk)[:, None, :] & (torch.arange(s, device=k.device) <= pos[:, lk - lq:, None])  # [B, Lq, s]
+        ks = k.gather(2, plan.sinks.clamp_max(lk - 1)[:, None, :, None].expand(-1, hkv, -1, d)).float()
+        q_pos = token_positions(valid)[:, lk - lq:, None]
+        seen = (plan.sinks < lk)[:, None, :] & (torch.arange(s, device=k.device) <= q_pos)  # [B, Lq, s]
         sc = (qf @ ks[:, :, None].transpose(-1, -2)).masked_fill(~seen[:, None, None], float("-inf"))
         best = torch.maximum(best, sc.amax(-1))
     return (best * scale).flatten(1, 2)
@@ -267,23 +277,24 @@ def local_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.T
     """The local call (window + sinks), all heads at once: output ``[B, Hq, q_len, D]`` (fp32) and lse
     ``[B, Hq, q_len]`` in the plan's query slots (query i in slot ``plan.offset + i``; kept padded, so that a
     ``torch.compile`` trace with a dynamic length never asks whether a slice is the whole tensor)."""
-    lq, d, lk = q.shape[2], q.shape[3], k.shape[2]
+    lq, d, lk, s = q.shape[2], q.shape[3], k.shape[2], config.sink_tokens
 
     def queries(x: torch.Tensor) -> torch.Tensor:
         return F.pad(x, (0, 0, plan.offset, plan.q_len - plan.offset - lq))
 
-    def keys(x: torch.Tensor) -> torch.Tensor:
-        return F.pad(x, (0, 0, 0, plan.kv_len - lk))
+    def keys(x: torch.Tensor) -> torch.Tensor:  # [B, Hkv, Lk, D] -> the layout: sinks' copies, then the tokens
+        sinks = x.gather(2, plan.sinks.clamp_max(lk - 1)[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[-1]))
+        return torch.cat([F.pad(sinks, (0, 0, 0, plan.sink_slots - s)),
+                          F.pad(x, (0, 0, 0, plan.kv_len - plan.sink_slots - lk))], 2)
 
     if plan.extra is None:
         out, lse = _flex(queries(q), keys(k), keys(v), plan.mask, scale, lse=True)
         return out.float(), lse
-    score = (_local_score(q, k, valid, config, scale) / scale).to(q.dtype)  # the extra key's, via one more channel
+    score = (_local_score(q, k, valid, plan, config, scale) / scale).to(q.dtype)  # the extra key's: one more channel
     extra = (torch.arange(plan.kv_len, device=k.device) == plan.extra)[None, None]
-    real = F.pad(valid, (0, plan.kv_len - lk))[:, None]
-    kl = torch.cat([keys(k), _channel(extra, k)], -1)
-    vl = torch.cat([keys(v), _channel(real, v), _channel(extra, v)], -1)
-    out, _ = _flex(queries(torch.cat([q, score[..., None]], -1)), kl, vl, plan.mask, scale, lse=False)
+    kl = _score_channel(keys(k), _channel(extra, k))
+    vl = torch.cat([keys(v), _channel(~extra, v), _channel(extra, v)], -1)  # (slots no mask keeps weigh nothing)
+    out, _ = _flex(queries(_score_channel(q, score[..., None])), kl, vl, plan.mask, scale, lse=False)
     return _extra_key_lse(out, queries(score.float()[..., None])[..., 0] * scale, d)
 
 
@@ -301,9 +312,9 @@ def far_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FarPlan, l
         return out.float(), torch.where(plan.q_real, lse, float("-inf"))
     score = torch.where(torch.isfinite(local_lse), local_lse, 0.0).gather(2, plan.q_src + offset)
     score = (score / scale).to(q.dtype)
-    kf = torch.cat([kf, _channel(plan.extra, k)], -1)
+    kf = _score_channel(kf, _channel(plan.extra, k))
     vf = torch.cat([vf, _channel(plan.k_src >= 0, v), _channel(plan.extra, v)], -1)
-    out, _ = _flex(torch.cat([qf, score[..., None]], -1), kf, vf, plan.mask, scale, lse=False)
+    out, _ = _flex(_score_channel(qf, score[..., None]), kf, vf, plan.mask, scale, lse=False)
     o, lse = _extra_key_lse(out, score.float() * scale, d)
     return o, torch.where(plan.q_real, lse, float("-inf"))
 
@@ -343,24 +354,21 @@ def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: t
 
     Routing, the plan, both calls and the merge are tensor ops with shapes fixed by (batch, heads, length bucket):
     no host synchronisation, and the whole function traces under ``torch.compile(fullgraph=True)``. Called eagerly,
-    the two flex calls run compiled (:func:`compiled_flex`) and the plan on one intra-op thread (:func:`small_work`).
+    the two flex calls run compiled (:func:`compiled_flex`) on the caller's threads and the rest on one
+    (:func:`~focus_flex.threads.small_work`).
     """
     lq, lk = q.shape[2], k.shape[2]
-    plan_threads: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-    call_threads: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-    if not torch.compiler.is_compiling():  # in a trace, thread counts are the caller's
-        plan_threads, call_threads = small_work(q.device), using(torch.get_num_threads())
-    with plan_threads:
+    # Eagerly on CPU, everything but the two kernels is many small ops: one thread (in a trace: the caller's threads).
+    with contextlib.nullcontext() if torch.compiler.is_compiling() else small_work(q.device):
         plan = plan_attention(q, k, centroids, config, valid=valid)
-        with call_threads:
-            local = local_part(q, k, v, valid, plan.local, config, scale)
-            far = far_part(q, k, v, plan.far, local[1], plan.local.offset, scale)
-    out = merge(local, far, plan.far.q_src + plan.local.offset)  # in the local call's query slots
-    rows = F.pad(valid[:, lk - lq:], (plan.local.offset, plan.local.q_len - plan.local.offset - lq))
-    out = out.masked_fill(~rows[:, None, :, None], 0.0).to(q.dtype)  # padded queries: zeros
-    # The queries' slots, copied out (a slice would be the whole tensor for one length of the bucket: a trace with a
-    # dynamic length would specialise on it).
-    return out.index_select(2, torch.arange(lq, device=q.device) + plan.local.offset)
+        local = local_part(q, k, v, valid, plan.local, config, scale)
+        far = far_part(q, k, v, plan.far, local[1], plan.local.offset, scale)
+        out = merge(local, far, plan.far.q_src + plan.local.offset)  # in the local call's query slots
+        rows = F.pad(valid[:, lk - lq:], (plan.local.offset, plan.local.q_len - plan.local.offset - lq))
+        out = out.masked_fill(~rows[:, None, :, None], 0.0).to(q.dtype)  # padded queries: zeros
+        # The queries' slots, copied out (a slice would be the whole tensor for one length of the bucket: a trace
+        # with a dynamic length would specialise on it).
+        return out.index_select(2, torch.arange(lq, device=q.device) + plan.local.offset)
 
 
 def _few_queries_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,

@@ -4,17 +4,17 @@ No host synchronisation and no data-dependent shape: every size is a function of
 the plan runs inside ``torch.compile(fullgraph=True)`` and, on a GPU, is queued behind the model's other kernels.
 All batch rows and heads are planned at once.
 
-* **local** (:class:`LocalPlan`) — tokens in their own order, queries shifted by less than a block so that query
-  blocks line up with key blocks. Each (query block, key block) tile is classed from per-block position ranges as
-  skipped, partial or full (:func:`~focus_flex.masks.tile_block_mask`), so padding anywhere (left, right, holes)
-  only costs its blocks.
+* **local** (:class:`LocalPlan`) — copies of the sinks in the first key block, then the tokens in their own order;
+  queries shifted by less than a block so that query blocks line up with key blocks. Each (query block, key block)
+  tile is classed from per-block position ranges as skipped, partial or full
+  (:func:`~focus_flex.masks.tile_block_mask`), so padding anywhere (left, right, holes) only costs its blocks.
 * **far** (:class:`FarPlan`) — one copy of a token per group it is in, sorted by (group, position) per head; query
   copy i may see the key slots ``[lo_i, hi_i)`` (its group, beyond the window, past the sinks), found by
   ``searchsorted``. A query block computes the hull of its rows' ranges; blocks inside every row's range are full.
 
 With ``extra_key`` the layouts carry one more key per query, for backends whose flex returns no log-sum-exp
-(:func:`focus_flex.attention.flex_prefill`): a slot at the end of the local keys, and per group a slot in front of
-the group's far keys.
+(:func:`focus_flex.attention.flex_prefill`): a slot after the sinks' copies in the local keys, and per group a slot
+in front of the group's far keys.
 """
 
 from __future__ import annotations
@@ -82,10 +82,13 @@ def _floor_div(x: torch.Tensor, n: int) -> torch.Tensor:
 
 @dataclass
 class LocalPlan:
-    """The local call: query i of the Lq queries sits in query slot ``offset + i`` (``[B, Hq, q_len, D]`` after
-    padding), key j of the Lk keys in key slot j; ``extra`` is the extra key's slot (None: no extra key)."""
+    """The local call's layout. Keys: ``sink_slots`` slots first, holding copies of the sinks (key ``sinks[b, j]``
+    in slot j) and the extra key (slot ``extra``; None: no extra key), then key j of the Lk keys in slot
+    ``sink_slots + j``. Queries: query i of the Lq queries in slot ``offset + i`` of ``q_len``."""
 
     mask: BlockMask
+    sinks: torch.Tensor  # [B, s] key index of each sink copy (Lk where the row has fewer real tokens)
+    sink_slots: int
     offset: int
     q_len: int
     kv_len: int
@@ -138,19 +141,25 @@ class FocusPlan:
 def local_plan(valid: torch.Tensor, lq: int, config: FocusConfig, extra_key: bool) -> LocalPlan:
     """Plan the local call (window + sinks) of the last ``lq`` of the ``[B, Lk]`` tokens ``valid`` marks real.
 
-    Tiles are classed from per-block ranges of the positions they hold (conservatively: a computed tile may hold no
-    allowed pair where padding leaves holes; a full tile never holds a forbidden pair of real tokens).
+    The sinks are copied into the first key block (with the extra key), where every query block finds them in one
+    partial tile; in the token slots they are empty. Tiles are classed from per-block ranges of the positions they
+    hold (conservatively: a computed tile may hold no allowed pair where padding leaves holes; a full tile never
+    holds a forbidden pair of real tokens).
     """
     bs, w, s = config.block_size, config.window, config.sink_tokens
     b, lk = valid.shape
-    offset = (lk - lq) % bs  # query slot 0 sits at key slot lk - lq - offset, a block boundary
+    dev = valid.device
+    sink_slots = bs * -(-(s + int(extra_key)) // bs)
+    offset = (lk - lq) % bs  # query slot 0 sits at token lk - lq - offset, a block boundary
     q_len = bucket(offset + lq, bs)
-    k_len = bucket(lk, bs)
-    kv_len = k_len + (bs if extra_key else 0)  # the extra key gets a block of its own, after the tokens
+    kv_len = sink_slots + bucket(lk, bs)
     pos = token_positions(valid)
+    sinks = torch.searchsorted(pos, torch.arange(s, device=dev).expand(b, s).contiguous())  # the j-th real token
     q_pos = torch.where(valid[:, lk - lq:], pos[:, lk - lq:], -1)
     q_pos = F.pad(q_pos, (offset, q_len - offset - lq), value=-1)  # [B, q_len]
-    k_pos = _pad_to(torch.where(valid, pos, NO_KEY), kv_len, 1, NO_KEY)  # [B, kv_len]
+    k_pos = torch.cat([torch.where(sinks < lk, torch.arange(s, device=dev), NO_KEY),
+                       torch.full((b, sink_slots - s), NO_KEY, device=dev),
+                       _pad_to(torch.where(valid & (pos >= s), pos, NO_KEY), kv_len - sink_slots, 1, NO_KEY)], 1)
     # Position ranges per block: queries [qmin, qmax] (none: qmin > qmax), real keys [kmin, kmax].
     qb, kb = q_pos.unflatten(1, (-1, bs)), k_pos.unflatten(1, (-1, bs))
     qmin = torch.where(qb >= 0, qb, NO_KEY).amin(-1)[:, :, None]
@@ -167,11 +176,11 @@ def local_plan(valid: torch.Tensor, lq: int, config: FocusConfig, extra_key: boo
     mod = at_positions(local_mask_mod(w, s), q_pos, k_pos)
     extra = None
     if extra_key:
-        extra = k_len
-        partial = partial | (torch.arange(kv_len // bs, device=valid.device) == k_len // bs)
-        mod = or_masks(mod, key_flag((torch.arange(kv_len, device=valid.device) == extra).expand(b, -1)))
+        extra = s
+        partial = partial | ((torch.arange(kv_len // bs, device=dev) == extra // bs) & (qmax >= 0))
+        mod = or_masks(mod, key_flag((torch.arange(kv_len, device=dev) == extra).expand(b, -1)))
     mask = tile_block_mask(partial[:, None], full[:, None], mod, q_len, kv_len, bs)
-    return LocalPlan(mask, offset, q_len, kv_len, extra)
+    return LocalPlan(mask, sinks, sink_slots, offset, q_len, kv_len, extra)
 
 
 def far_plan(q_groups: torch.Tensor, k_groups: torch.Tensor, valid: torch.Tensor, config: FocusConfig,
