@@ -886,7 +886,7 @@ def _op_row(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets, each with the measured value and whether it is met."""
+    """The speed targets (:data:`TARGETS`), each with the measured value and whether it is met."""
     out = []
 
     def add(name: str, value: float, target: float, higher: bool = True) -> None:

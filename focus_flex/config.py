@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+__version__ = "0.1.0"  # the library's version (pyproject.toml reads it from here), written into saved configs
 CONFIG_NAME = "focus_config.json"  # not adapter_config.json: transformers hands that file to PEFT
 WEIGHTS_NAME = "focus_adapter.safetensors"
 MAX_GROUPS = 63  # group memberships are packed into one int64 bitmask per token
@@ -102,8 +103,6 @@ class FocusConfig:
         return cls(**{k: v for k, v in d.items() if k in known})
 
     def to_json_string(self) -> str:
-        from focus_flex import __version__
-
         return json.dumps({**self.to_dict(), "focus_flex_version": __version__}, indent=2, sort_keys=True) + "\n"
 
     def save_pretrained(self, directory: str | os.PathLike) -> str:

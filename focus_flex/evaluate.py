@@ -80,21 +80,21 @@ def far_pairs_by_distance(q_member: torch.Tensor, k_member: torch.Tensor, sinks:
     Per distinct query bitmask, the cross-correlation (FFT) of the positions of the queries that have it with the
     positions of the keys that share a group with it: O(U N log N) for U distinct query bitmasks (U <= G at top-1).
     """
-    b, hq, n = q_member.shape
-    rep, size = hq // k_member.shape[1], 2 * n  # zero-padded to 2N: no wrap-around
+    (b, hq, n), hkv = q_member.shape, k_member.shape[1]
+    rep, size = hq // hkv, 2 * n  # zero-padded to 2N: no wrap-around
     out = torch.zeros(b, hq, n, dtype=torch.float64)
+    keys = k_member.cpu().clone()
+    keys[..., :sinks] = 0  # sinks are attended anyway: not far pairs
     for bi in range(b):
-        for hh in range(hq):
-            keys = k_member[bi, hh // rep].cpu().clone()
-            keys[:sinks] = 0  # sinks are attended anyway: not far pairs
-            values, inverse = torch.unique(q_member[bi, hh].cpu(), return_inverse=True)
-            spectrum = torch.zeros(n + 1, dtype=torch.complex128)
-            for s in range(0, len(values), 256):  # [256, N] indicators at a time
-                v = values[s : s + 256]
-                queries = (inverse[None, :] == torch.arange(s, s + len(v))[:, None]).double()
-                shared = ((keys[None, :] & v[:, None]) != 0).double()
-                spectrum += (torch.fft.rfft(queries, size) * torch.fft.rfft(shared, size).conj()).sum(0)
-            out[bi, hh] = torch.fft.irfft(spectrum, size)[:n].round()  # [d] = sum_j queries[j + d] * shared[j]
+        for h in range(hkv):  # the query heads of a KV head together: each key spectrum is computed once
+            values, inverse = torch.unique(q_member[bi, h * rep:(h + 1) * rep].cpu(), return_inverse=True)
+            spectrum = torch.zeros(rep, n + 1, dtype=torch.complex128)
+            for s in range(0, len(values), 64):  # [rep, 64, N] indicators at a time
+                v = values[s:s + 64]
+                shared = torch.fft.rfft(((keys[bi, h][None, :] & v[:, None]) != 0).double(), size)  # [u, N + 1]
+                queries = (inverse[:, None, :] == torch.arange(s, s + len(v))[None, :, None]).double()
+                spectrum += (torch.fft.rfft(queries, size) * shared.conj()).sum(1)
+            out[bi, h * rep:(h + 1) * rep] = torch.fft.irfft(spectrum, size)[..., :n].round()
     return out
 
 

@@ -39,11 +39,12 @@ import torch
 from focus_flex import native, routing
 from focus_flex.config import FocusConfig
 
-LOCAL_CHUNK = 64  # query positions per local chunk (measured at window 256: 64 beats 32 and 128)
-FAR_CHUNK = 512  # query copies per far call (measured: 512 beats 256 and 1024 at 8K-32K)
+# Chunk sizes trade call overhead against masked work; docs/speed.md ("Tuning constants") has their measurements.
+LOCAL_CHUNK = 64  # query positions per local chunk
+FAR_CHUNK = 512  # query copies per far call
 FAR_BLOCK = 4096  # far query copies gathered and merged at a time (temporaries ~1 MB per buffer at head dim 64)
 FAR_TAIL = 512  # at most this many keys under a far chunk's staircase mask (its template: (FAR_TAIL + 1) ** 2 floats)
-LOCAL_BATCH = 32  # local chunks per flash call (gathered keys: ~2.6 MB per tensor; 64 is no faster, 16 slower)
+LOCAL_BATCH = 32  # local chunks per flash call (gathered keys: ~2.6 MB per tensor)
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
@@ -122,8 +123,12 @@ def far_plan(q_groups: torch.Tensor, k_groups: torch.Tensor, start: int, config:
     lo = torch.searchsorted(kkey, group * stride + config.sink_tokens)
     hi = torch.maximum(torch.searchsorted(kkey, qkey - config.window, right=True), lo)
     bounds = torch.searchsorted(group, torch.arange(config.num_groups + 1)).tolist()
-    copy_of = lambda order, k: order if k == 1 else torch.div(order, k, rounding_mode="floor")  # noqa: E731
-    return FarPlan(copy_of(korder, kk), copy_of(qorder, kq), lo, hi, bounds)
+    return FarPlan(_source_of(korder, kk), _source_of(qorder, kq), lo, hi, bounds)
+
+
+def _source_of(order: torch.Tensor, k: int) -> torch.Tensor:
+    """The row behind each sorted copy, for copies made ``k`` per row (flat index ``row * k + j``)."""
+    return order if k == 1 else torch.div(order, k, rounding_mode="floor")
 
 
 def far_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FarPlan, scale: float, out: torch.Tensor,
@@ -146,8 +151,8 @@ def far_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FarPlan, s
     width = max((hi[r1 - 1] - hi[r0] for group in chunks for r0, r1 in group), default=0)
     n = torch.arange(width + 1)
     stairs = torch.zeros((), dtype=q.dtype).masked_fill(n[None, :width] >= n[:, None], float("-inf"))
-    q_flat, q_rows = _rows(q if _has_rows(q) else q.contiguous(), plan.q_row)
-    out_flat, out_rows = _rows(out, plan.q_row)
+    q_flat, q_rows = _row_view(q if _has_row_view(q) else q.contiguous(), plan.q_row)
+    out_flat, out_rows = _row_view(out, plan.q_row)
     for (a, b), group in zip(suffixes, chunks, strict=True):
         k_lo, k_hi = lo[a], hi[b - 1]  # the group's keys any of its copies sees
         ks, vs = (x.index_select(0, plan.k_src[k_lo:k_hi])[None, None] for x in (k, v))  # the flash op's layout
@@ -169,19 +174,19 @@ def far_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FarPlan, s
             _merge_into(out_flat, out_rows[b0:b1], lse, plan.q_row[b0:b1], po.view(2, -1, d), pl.view(2, -1))
 
 
-def _rows(x: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _row_view(x: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` ``[R, L, D]`` as a view ``[n, D]`` of its memory's rows, and the row of each ``x[i // L, i % L]`` for i
     in ``index``; a write through the view lands in ``x``. Needs rows of D contiguous and D apart
-    (:func:`_has_rows`)."""
+    (:func:`_has_row_view`)."""
     r, lq, d = x.shape
-    if not _has_rows(x):
+    if not _has_row_view(x):
         raise ValueError(f"strides {x.stride()} of a [R, L, D] = {tuple(x.shape)} tensor do not make rows of D")
     head, pos = x.stride(0) // d, x.stride(1) // d
     rows = index if (head, pos) == (lq, 1) else torch.div(index, lq, rounding_mode="floor") * head + index % lq * pos
     return x.as_strided(((r - 1) * head + (lq - 1) * pos + 1, d), (d, 1)), rows
 
 
-def _has_rows(x: torch.Tensor) -> bool:
+def _has_row_view(x: torch.Tensor) -> bool:
     """Whether ``[R, L, D]`` ``x`` is rows of D, contiguous and D apart: every layout transformers hands attention."""
     d = x.shape[-1]
     return x.stride(2) == 1 and x.stride(0) % d == 0 and x.stride(1) % d == 0
@@ -243,7 +248,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     rep = hq // hkv
-    layout = torch.preserve_format if q.stride(-1) == 1 else torch.contiguous_format  # rows of D: see _rows
+    layout = torch.preserve_format if q.stride(-1) == 1 else torch.contiguous_format  # rows of D: see _row_view
     out = (torch.empty_like if bool(valid.all()) else torch.zeros_like)(q, memory_format=layout)  # padded rows: 0
     fused, threads = native.prefill_applies(q, k, v), torch.get_num_threads()
     # Routing per batch row and KV head where it is the C routing (a vector's group does not depend on the vectors

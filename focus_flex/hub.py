@@ -24,7 +24,7 @@ import warnings
 from importlib import resources
 from typing import Any
 
-from focus_flex.config import CONFIG_NAME, WEIGHTS_NAME, FocusConfig
+from focus_flex.config import CONFIG_NAME, WEIGHTS_NAME, FocusConfig, __version__
 
 __all__ = [
     "HubError", "AdapterRepoNotFoundError", "AdapterRevisionNotFoundError", "AdapterFileNotFoundError",
@@ -295,8 +295,6 @@ def _commit_of(snapshot_dir: str, subfolder: str | None) -> str | None:
 
 
 def _library_version() -> str:
-    from focus_flex import __version__
-
     return __version__
 
 
