@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -238,21 +238,28 @@ def _score_channel(x: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
     return F.pad(torch.cat([x, column.to(x.dtype)], -1), (0, SCORE_PAD - 1))
 
 
-def _extra_key_lse(out: torch.Tensor, score: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Normalised output ``[B, H, L, D]`` (fp32) and log-sum-exp ``[B, H, L]`` from a call with an extra key.
+class Part(NamedTuple):
+    """One flex call's result per query row: the output is ``out[..., :D] * norm`` (``norm`` None: ``out[..., :D]``
+    is normalised already), its log-sum-exp ``lse`` (-inf: no key)."""
+
+    out: torch.Tensor  # [B, H, L, >= D] the raw flex output
+    norm: torch.Tensor | None  # [B, H, L] fp32
+    lse: torch.Tensor  # [B, H, L] fp32
+
+
+def _extra_key_part(out: torch.Tensor, score: torch.Tensor, d: int) -> Part:
+    """The :class:`Part` of a call with an extra key.
 
     The extra key scored ``score`` (``[B, H, L]``) and its value is the flag channel ``d + 1``; real keys carry flag
     channel ``d``. So ``r_real = out[..., d]`` and ``r_extra = out[..., d + 1]`` are the softmax masses of the real
     keys and of the extra key, ``out[..., :d] / r_real`` is the output over the real keys and
-    ``lse = score + log r_real - log r_extra`` (DESIGN.md §4 (a)). Rows with no real key get a zero output and
-    lse = -inf.
+    ``lse = score + log r_real - log r_extra`` (DESIGN.md §4 (a)). Rows with no real key get lse = -inf.
     """
     tiny = torch.finfo(torch.float32).tiny
     real, extra = out[..., d].float(), out[..., d + 1].float()
-    o = out[..., :d].float() / real.clamp_min(tiny)[..., None]
-    lse = score + real.clamp_min(tiny).log() - extra.clamp_min(tiny).log()
     has = real > 0
-    return o.masked_fill(~has[..., None], 0.0), torch.where(has, lse, float("-inf"))
+    lse = score + real.clamp_min(tiny).log() - extra.clamp_min(tiny).log()
+    return Part(out, torch.where(has, 1.0 / real.clamp_min(tiny), 0.0), torch.where(has, lse, float("-inf")))
 
 
 def _local_score(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, plan: LocalPlan, config: FocusConfig,
@@ -273,9 +280,9 @@ def _local_score(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, plan: Lo
 
 
 def local_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, plan: LocalPlan,
-               config: FocusConfig, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The local call (window + sinks), all heads at once: output ``[B, Hq, q_len, D]`` (fp32) and lse
-    ``[B, Hq, q_len]`` in the plan's query slots (query i in slot ``plan.offset + i``; kept padded, so that a
+               config: FocusConfig, scale: float) -> Part:
+    """The local call (window + sinks), all heads at once, as a :class:`Part` ``[B, Hq, q_len, ...]`` in the plan's
+    query slots (query i in slot ``plan.offset + i``; kept padded, so that a
     ``torch.compile`` trace with a dynamic length never asks whether a slice is the whole tensor)."""
     lq, d, lk, s = q.shape[2], q.shape[3], k.shape[2], config.sink_tokens
 
@@ -289,19 +296,19 @@ def local_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.T
 
     if plan.extra is None:
         out, lse = _flex(queries(q), keys(k), keys(v), plan.mask, scale, lse=True)
-        return out.float(), lse
+        return Part(out, None, lse)
     score = (_local_score(q, k, valid, plan, config, scale) / scale).to(q.dtype)  # the extra key's: one more channel
     extra = (torch.arange(plan.kv_len, device=k.device) == plan.extra)[None, None]
     kl = _score_channel(keys(k), _channel(extra, k))
     vl = torch.cat([keys(v), _channel(~extra, v), _channel(extra, v)], -1)  # (slots no mask keeps weigh nothing)
     out, _ = _flex(queries(_score_channel(q, score[..., None])), kl, vl, plan.mask, scale, lse=False)
-    return _extra_key_lse(out, queries(score.float()[..., None])[..., 0] * scale, d)
+    return _extra_key_part(out, queries(score.float()[..., None])[..., 0] * scale, d)
 
 
 def far_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FarPlan, local_lse: torch.Tensor,
-             offset: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The far call over sorted copies, all heads at once: output ``[B, Hq, Nq, D]`` (fp32) and lse ``[B, Hq, Nq]``
-    per query copy (-inf for padding copies). With extra keys, a group's extra key scores each copy's local lse
+             offset: int, scale: float) -> Part:
+    """The far call over sorted copies, all heads at once: a :class:`Part` ``[B, Hq, Nq, ...]`` per query copy
+    (lse -inf for padding copies). With extra keys, a group's extra key scores each copy's local lse
     (``local_lse[.., offset + i]`` for query i): its mass then only underflows where one part outweighs the other by
     ~e^87, and the merge is exact."""
     d = q.shape[-1]
@@ -309,29 +316,33 @@ def far_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FarPlan, l
     kf, vf = _rows(k, plan.k_src), _rows(v, plan.k_src)
     if plan.extra is None:
         out, lse = _flex(qf, kf, vf, plan.mask, scale, lse=True)
-        return out.float(), torch.where(plan.q_real, lse, float("-inf"))
+        return Part(out, None, torch.where(plan.q_real, lse, float("-inf")))
     score = torch.where(torch.isfinite(local_lse), local_lse, 0.0).gather(2, plan.q_src + offset)
     score = (score / scale).to(q.dtype)
     kf = _score_channel(kf, _channel(plan.extra, k))
     vf = torch.cat([vf, _channel(plan.k_src >= 0, v), _channel(plan.extra, v)], -1)
     out, _ = _flex(_score_channel(qf, score[..., None]), kf, vf, plan.mask, scale, lse=False)
-    o, lse = _extra_key_lse(out, score.float() * scale, d)
-    return o, torch.where(plan.q_real, lse, float("-inf"))
+    part = _extra_key_part(out, score.float() * scale, d)
+    return part._replace(lse=torch.where(plan.q_real, part.lse, float("-inf")))
 
 
-def merge(local: tuple[torch.Tensor, torch.Tensor], far: tuple[torch.Tensor, torch.Tensor],
-          q_src: torch.Tensor) -> torch.Tensor:
+def merge(local: Part, far: Part, q_src: torch.Tensor, rows: torch.Tensor, d: int) -> torch.Tensor:
     """Exact union of the two parts (fp32): each part's output weighted by ``exp(lse_part - lse_total)``; a query's
-    far copies (``q_src`` ``[B, Hq, Nq]``: the local slot of each one's query) are summed into it. Returns the local
-    part's shape, ``[B, Hq, L, D]``."""
-    (o_l, lse_l), (o_f, lse_f) = local, far
-    m = lse_l.scatter_reduce(2, q_src, lse_f, "amax")
+    far copies (``q_src`` ``[B, Hq, Nq]``: the local slot of each one's query) are summed into it; slots where
+    ``rows`` (bool ``[B, L]``) is False come out zero. Returns the local part's shape, ``[B, Hq, L, D]``.
+
+    The weights are per row, so each part's output is read once (its normalisation folded into the weight)."""
+    m = local.lse.scatter_reduce(2, q_src, far.lse, "amax")
     m = torch.where(torch.isfinite(m), m, 0.0)
-    w_l, w_f = torch.exp(lse_l - m), torch.exp(lse_f - m.gather(2, q_src))
+    w_l, w_f = torch.exp(local.lse - m), torch.exp(far.lse - m.gather(2, q_src))
     den = w_l.scatter_add(2, q_src, w_f)
-    far_sum = torch.where(w_f[..., None] > 0, o_f * w_f[..., None], 0.0)  # padding copies add nothing
-    num = (o_l * w_l[..., None]).scatter_add_(2, q_src[..., None].expand_as(far_sum), far_sum)
-    return num / torch.where(den > 0, den, 1.0)[..., None]
+    den = torch.where(den > 0, den, 1.0)
+    a_l = torch.where(rows[:, None], w_l / den, 0.0)  # padded queries: zeros
+    a_f = w_f / den.gather(2, q_src)  # padding copies: w_f = 0
+    if local.norm is not None:
+        a_l, a_f = a_l * local.norm, a_f * far.norm
+    out = local.out[..., :d] * a_l[..., None]  # (fp32: a_l is)
+    return out.scatter_add_(2, q_src[..., None].expand(-1, -1, -1, d), far.out[..., :d] * a_f[..., None])
 
 
 def plan_attention(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, config: FocusConfig, *,
@@ -362,13 +373,12 @@ def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: t
     with contextlib.nullcontext() if torch.compiler.is_compiling() else small_work(q.device):
         plan = plan_attention(q, k, centroids, config, valid=valid)
         local = local_part(q, k, v, valid, plan.local, config, scale)
-        far = far_part(q, k, v, plan.far, local[1], plan.local.offset, scale)
-        out = merge(local, far, plan.far.q_src + plan.local.offset)  # in the local call's query slots
+        far = far_part(q, k, v, plan.far, local.lse, plan.local.offset, scale)
         rows = F.pad(valid[:, lk - lq:], (plan.local.offset, plan.local.q_len - plan.local.offset - lq))
-        out = out.masked_fill(~rows[:, None, :, None], 0.0).to(q.dtype)  # padded queries: zeros
+        out = merge(local, far, plan.far.q_src + plan.local.offset, rows, q.shape[-1])  # in the local query slots
         # The queries' slots, copied out (a slice would be the whole tensor for one length of the bucket: a trace
         # with a dynamic length would specialise on it).
-        return out.index_select(2, torch.arange(lq, device=q.device) + plan.local.offset)
+        return out.index_select(2, torch.arange(lq, device=q.device) + plan.local.offset).to(q.dtype)
 
 
 def _few_queries_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
