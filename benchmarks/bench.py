@@ -418,6 +418,7 @@ def kernel_label(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Any) ->
 
 def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
     from focus_flex import attention, flash, masks, native, routing
+    from focus_flex import plan as fplan
     from focus_flex.config import FocusConfig
     from focus_flex.threads import small_work
 
@@ -458,10 +459,9 @@ def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
             return out
         if kernel == "flash":
             return [flash.local_part(q[0, j * rep:(j + 1) * rep], k[0, j], v[0, j], 0, cfg, scale) for j in range(HKV)]
-        with small_work(q.device):
-            lay = attention._plan_local(valid, n, cfg)
-            out, real, _ = attention._local_call(q, k, v, lay, cfg, scale, threads)
-            return out[..., :HEAD_DIM] / real[..., None]
+        lay = fplan.local_plan(valid, n, cfg, attention.lse_route(q.device) == "extra_key")
+        part = attention.local_part(q, k, v, valid, lay, cfg, scale)
+        return part.out[..., :HEAD_DIM] * (1 if part.norm is None else part.norm[..., None])
 
     def plan() -> Any:  # routing + planning, as the default kernel runs them
         if kernel == "flex":
