@@ -27,6 +27,7 @@ from focus_flex.threads import using
 _END = np.iinfo(np.int32).max  # fills unused pool slots
 APPEND_CHUNK = 4096  # keys routed into the lists at a time
 SLACK = 64  # free slots a buffer gets on top of an eighth of its size when it grows
+DECODE_PARALLEL_KEYS = 1 << 18  # keys a C decode step reads (about) before it splits them between threads
 
 
 def _room(needed: np.ndarray | int) -> np.ndarray | int:
@@ -205,8 +206,12 @@ def _one_group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cent
     hkv, rep, dev = k.shape[1], hq // k.shape[1], q.device
     s, groups = config.sink_tokens, routing.hard_groups(q, centroids, 1)
     if native.applies(k, v) and native.library() is not None:  # the same step, fused in C (it knows the local keys)
+        # One thread unless a row reads many keys: waking a second thread costs up to milliseconds when another
+        # process holds the core, more than a step's work on one.
+        keys = b * hkv * (k.shape[2] // config.num_groups + config.window)
+        parts = threads if keys >= DECODE_PARALLEL_KEYS else 1
         out = native.decode_step(q.reshape(b * hq, d), groups.reshape(-1), scale, k, v, index, s,
-                                 _far_end(k.shape[2], 1, config), threads)
+                                 _far_end(k.shape[2], 1, config), parts)
         return out.reshape(b, hq, 1, d).to(q.dtype)
     local, end = _local(k.shape[2], 1, config)
     groups = groups.reshape(b * hkv, rep).tolist()  # [B * Hkv][rows]
