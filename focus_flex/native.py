@@ -56,6 +56,7 @@ def _variants() -> tuple[tuple[str, ...], ...]:
     return portable if march() == "portable" else ((f"-march={march()}", "-fopenmp"), *portable)
 DTYPES = (torch.float32, torch.bfloat16)
 PREFILL_MAX_D = 256  # prefill.c: head dims up to this, multiples of 16
+ROUTE_MIN_BITS = 256  # routing.c runs where the build's vectors are at least this wide
 _P, _I, _F, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _DECODE_ARGS = (_I, _I, _I, _P, _P, _F, _P, _P, _I, _P, _P, _I, _N, _P, _P, _P, _I, _I, _I, _I, _N, _P)
 _PLAN_ARGS = (_I, _I, _I, _I, _I, _I, _P, _I, _P, _I) + (_P,) * 7
@@ -88,12 +89,15 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
         flags = FLAGS + variant
         key = hashlib.sha256(source + repr((cc, flags)).encode()).hexdigest()[:16]
         builds.append((flags, directory / f"focus_native-{key}.so"))
-    for _, target in builds:
-        if target.exists():
-            return target
     directory.mkdir(parents=True, exist_ok=True)
     errors = []
-    for flags, target in builds:
+    for flags, target in builds:  # the best variant that builds; a failure is remembered, not retried
+        failed = target.with_suffix(".failed")
+        if target.exists():
+            return target
+        if failed.exists():
+            errors.append(failed.read_text())
+            continue
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)  # built aside, then renamed: concurrent builds are safe
         os.close(fd)
         try:
@@ -106,6 +110,7 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
             return target
         os.unlink(tmp)
         errors.append(done.stderr.strip()[-600:])
+        failed.write_text(errors[-1])
     raise RuntimeError(f"{cc} could not compile {', '.join(path.name for path in SOURCES)}: {errors[-1]}")
 
 
@@ -213,10 +218,12 @@ def decode_step(q: torch.Tensor, groups: torch.Tensor, scale: float, k: torch.Te
 
 
 def routes(x: torch.Tensor, centroids: torch.Tensor) -> bool:
-    """Whether :func:`route_top1` takes x: CPU, float32/bfloat16, rows of D contiguous, D <= 256, the library."""
+    """Whether :func:`route_top1` takes x: CPU, float32/bfloat16, rows of D contiguous, D <= 256, the library built
+    with vectors of at least :data:`ROUTE_MIN_BITS` (with narrower ones PyTorch's matmul routes faster)."""
     (h, d), hkv = x.shape[1::2], centroids.shape[0]
+    lib = library()
     return (x.device.type == "cpu" and x.dtype in DTYPES and x.stride(-1) == 1 and d <= PREFILL_MAX_D and h % hkv == 0
-            and library() is not None)
+            and lib is not None and lib.focus_vector_bits() >= ROUTE_MIN_BITS)
 
 
 @torch.compiler.disable(reason="a ctypes call into the C library: one graph break where a compiled model routes")

@@ -62,6 +62,16 @@ def test_build_is_reused_and_failures_say_why(tmp_path):
         native.build(shutil.which("false"), tmp_path / "other")
 
 
+def test_a_fallback_build_does_not_shadow_the_targets_own(tmp_path, monkeypatch):
+    """A portable build in the cache (made for FOCUS_FLEX_MARCH=portable, or where the target's build once failed) is
+    not what a process that can build for its target gets."""
+    monkeypatch.setenv("FOCUS_FLEX_MARCH", "portable")
+    portable = native.build(directory=tmp_path)
+    monkeypatch.setenv("FOCUS_FLEX_MARCH", "native")
+    own = native.build(directory=tmp_path)
+    assert own != portable and own.exists() and native.build(directory=tmp_path) == own
+
+
 STEP = """if True:
     import warnings
     import torch

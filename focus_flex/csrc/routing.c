@@ -11,15 +11,13 @@
 #include <stdint.h>
 #include <string.h>
 
-/* GB score accumulators of W lanes, plus an operand, fit the vector registers (32 with AVX-512, 16 otherwise). */
+/* GB score accumulators of W lanes, plus an operand, fit the vector registers (32 with AVX-512, 16 with AVX2).
+   Builds with 128-bit vectors route with PyTorch instead (focus_flex/native.py: routes), which is faster there. */
 #if defined(__AVX512F__)
 #define W 16      /* vectors per tile */
 #define GB 16     /* groups scored at a time */
-#elif defined(__AVX__)
-#define W 8
-#define GB 12
 #else
-#define W 4
+#define W 8
 #define GB 12
 #endif
 #define MAX_D 256
