@@ -219,7 +219,8 @@ def run_bench(*, lengths: Sequence[int] = (4096, 8192, 16384, 32768), dtypes: Se
     plot(results, out / "bench.png")
     log(f"wrote {out / 'bench.md'}, bench.json, bench.png ({results['wall_seconds']:.0f} s)")
     inverted = [f"{r['kernels']}: {part} {r[part]['ratio']:.2f}x its fallback's time"
-                for r in results.get("guard", []) for part in GUARD_PARTS if r[part]["ratio"] > GUARD_RATIO]
+                for r in results.get("guard", []) for part in GUARD_PARTS
+                if part in r and r[part]["ratio"] > GUARD_RATIO]
     if inverted:
         raise BenchError(f"guard: a default kernel is more than {GUARD_RATIO}x slower than its PyTorch fallback "
                          f"({'; '.join(inverted)}; see {out / 'bench.md'})")
@@ -838,8 +839,9 @@ def _guard_worker(spec: dict[str, Any]) -> dict[str, Any]:
         for _ in range(GUARD_DECODE_STEPS):
             attention.focus_attention(q1, k, v, c, cfg, key_index=index)
 
-    parts = {"prefill": lambda: attention.focus_attention(q, k, v, c, cfg), "decode step": decode,
-             "routing": lambda: routing.hard_groups(q, c, 1)}
+    parts = {"prefill": lambda: attention.focus_attention(q, k, v, c, cfg), "decode step": decode}
+    if native.routes(q, c):  # (else routing is PyTorch's either way)
+        parts["routing"] = lambda: routing.hard_groups(q, c, 1)
     res: dict[str, Any] = {"n": spec["n"], "target": spec["target"], "kernels": native.build_label(),
                            "kernel": kernel_label(q, k, v, cfg)}
     for name, fn in parts.items():
@@ -1040,7 +1042,8 @@ def to_markdown(results: dict[str, Any]) -> str:
                   "|---|---|" + "---|---|---|" * len(GUARD_PARTS)]
         for r in results["guard"]:
             cells = [f"{_ms(r[p]['default'])} | {_ms(r[p]['fallback'])} | "
-                     f"{'**' if r[p]['ratio'] > GUARD_RATIO else ''}{r[p]['ratio']:.2f}" for p in GUARD_PARTS]
+                     f"{'**' if r[p]['ratio'] > GUARD_RATIO else ''}{r[p]['ratio']:.2f}" if p in r else
+                     "PyTorch's | (the same) | -" for p in GUARD_PARTS]
             lines.append(f"| {r['kernels']} | {r['n']} | " + " | ".join(cells) + " |")
         lines.append("")
     if results.get("targets"):
