@@ -211,7 +211,8 @@ class FocusAdapter(nn.Module):
           attend) differently from the same text unpadded.
         """
         self._check_config()
-        cache = kwargs.get("past_key_values")
+        # (transformers up to 5.23 names the KV cache past_key_values, later versions cache)
+        cache = next((kwargs[name] for name in ("past_key_values", "cache") if kwargs.get(name) is not None), None)
         self._active_cache = weakref.ref(cache) if cache is not None else None
         layers = getattr(cache, "layers", None)
         for slot, entry in list(self._key_index.items()):

@@ -328,10 +328,10 @@ def test_decode_reads_on_outer_threads_and_restores_them(monkeypatch, decode_pat
             steps += 1
     finally:
         torch.set_num_threads(old)
-    # Every read of keys or values on the caller's 2 threads.
+    # Every read of keys or values on the caller's 2 threads, but the C step's: a step this small runs on one.
     one_query = {"decode_step"} if decode_path == "native" else {"sampled_addmm", "embedding_bag"}
     assert {name for name, _, _ in seen} == {"index_select"} | one_query  # (several queries: gathers)
-    assert {n for _, _, n in seen} == {2}
+    assert {n for name, _, n in seen} == {1 if name == "decode_step" else 2 for name, _, _ in seen}
     assert all(data for name, data, _ in seen if name == "index_select")  # keys and values, never group bits
     assert len(seen) >= steps
 

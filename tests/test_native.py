@@ -43,6 +43,21 @@ def test_c_step_equals_pytorch_step_and_reference(parts, dtype, monkeypatch):
     assert (out - torch_step).abs().max() <= tol
 
 
+@pytest.mark.parametrize("parallel_keys", [0, 1 << 40])
+def test_c_step_splits_only_a_large_step_between_threads(parallel_keys, monkeypatch):
+    """A step runs on the caller's threads only if it reads at least DECODE_PARALLEL_KEYS keys; exact either way."""
+    from focus_flex import decode
+
+    cfg = FocusConfig(num_groups=3, window=40, sink_tokens=4)
+    q, k, v, c, index = setup(1, 4, 2, 300, 3, cfg)
+    parts, step = [], native.decode_step
+    monkeypatch.setattr(decode, "DECODE_PARALLEL_KEYS", parallel_keys)
+    monkeypatch.setattr(native, "decode_step", lambda *a: parts.append(a[-1]) or step(*a))
+    out = _one_group_attention(q, k, v, c, cfg, index, 32 ** -0.5, 2)
+    assert parts == [2 if parallel_keys == 0 else 1]
+    assert (out - reference_attention(q, k, v, c, cfg)).abs().max() <= 1e-5
+
+
 def test_c_step_rejects_bad_arguments():
     cfg = FocusConfig(num_groups=3, window=8, sink_tokens=2)
     q, k, v, c, index = setup(1, 4, 2, 50, 3, cfg)
