@@ -29,12 +29,14 @@ from focus_flex.attention import (
     reference_attention,
     soft_attention,
 )
+from focus_flex.cache import FOCUS_LAYERS, FocusStaticLayer, cached_attention, to_focus_layer
 from focus_flex.config import CONFIG_NAME, WEIGHTS_NAME, FocusConfig
 from focus_flex.decode import KeyIndex
 from focus_flex.threads import small_work
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt2")
 ATTENTION_MODES = ("fast", "reference", "soft")  # what adapter.mode may be
+KERNELS = (None, "flex", "flash")  # what adapter.kernel may be
 IMPLEMENTATION = "focus"
 
 
@@ -75,7 +77,9 @@ class FocusAdapter(nn.Module):
 
     ``mode`` chooses the attention path while attached: ``"fast"`` (:func:`~focus_flex.attention.focus_attention`:
     the ``flash`` kernel on CPU, compiled FlexAttention elsewhere; inference), ``"soft"`` (differentiable soft routing,
-    training), ``"reference"`` (the dense definition, docs/design.md).
+    training), ``"reference"`` (the dense definition, docs/design.md). ``kernel`` chooses the fast path's kernel:
+    None (the fastest on the device), ``"flex"`` (the device path, compiled FlexAttention, also on CPU: prefill and
+    decode through :mod:`focus_flex.cache`) or ``"flash"`` (the CPU kernel).
     """
 
     def __init__(self, config: FocusConfig, centroids: torch.Tensor | None = None, *, seed: int = 0):
@@ -102,6 +106,7 @@ class FocusAdapter(nn.Module):
         self.centroids = nn.Parameter(centroids.detach().float().clone())
         self.slot = {layer: i for i, layer in enumerate(config.layers)}
         self._mode = "fast"
+        self._kernel: str | None = None
         self._attached: list[tuple[weakref.ref, list]] = []  # (model, its hooks)
         self._active_cache: weakref.ref | None = None
         self._key_index: dict[int, _Indexed] = {}  # slot -> the key routing of the active cache's layer
@@ -115,6 +120,21 @@ class FocusAdapter(nn.Module):
         if value not in ATTENTION_MODES:
             raise ValueError(f"mode={value!r}; choose one of {ATTENTION_MODES}")
         self._mode = value
+
+    @property
+    def kernel(self) -> str | None:
+        return self._kernel
+
+    @kernel.setter
+    def kernel(self, value: str | None) -> None:
+        if value not in KERNELS:
+            raise ValueError(f"kernel={value!r}; choose one of {KERNELS} (None: the fastest on the device)")
+        self._kernel = value
+
+    def device_path(self, device: torch.device) -> bool:
+        """Whether decode runs on the device path (:mod:`focus_flex.cache`: a pool paged by group, FlexAttention)
+        rather than the CPU's host-side key index: off the CPU, or with ``kernel="flex"``."""
+        return self.kernel == "flex" or device.type != "cpu"
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -176,12 +196,16 @@ class FocusAdapter(nn.Module):
         self.to(next(model.parameters()).device)
         hooks = []
         for module in _attention_modules(model):
-            layer = module.layer_idx
-            module._focus = _FocusState(weakref.ref(self), self.slot.get(layer))
+            module._focus = _FocusState(weakref.ref(self), self.slot.get(module.layer_idx))
+            if module._focus.slot is not None:
+                hooks.append(module.register_forward_pre_hook(_pass_cache_layer, with_kwargs=True))
         for m in [model, *(h for h in _position_hosts(model) if h is not model)]:
             hooks.append(m.register_forward_pre_hook(self._enter, with_kwargs=True))
             hooks.append(m.register_forward_hook(self._exit))
         _use_focus(model)
+        # generate() would build the mask of a static cache ahead of the forward, in a form only the model's own
+        # attention reads; the Focus mask builder wants the 2-D padding mask, which the forward then hands it.
+        model.create_masks_for_generate = _padding_mask_for_generate
         self._attached.append((weakref.ref(model), hooks))
         return model
 
@@ -194,6 +218,7 @@ class FocusAdapter(nn.Module):
                 for module in _attention_modules(model):
                     module._focus = None
                 _stop_focus(model)
+                del model.create_masks_for_generate
                 del self._attached[i]
                 self._key_index.clear()
                 return model
@@ -209,12 +234,22 @@ class FocusAdapter(nn.Module):
         * a padded call without ``position_ids`` gets positions counting real tokens, as ``generate`` passes them:
           routing reads q and k after the position encoding, so a left-padded row would otherwise route (and
           attend) differently from the same text unpadded.
+
+        Inside a ``torch.compile`` trace (a compiled ``model.__call__``, as ``generate`` compiles decode steps) it does
+        nothing: the eager prefill before did it, and a compiled step must not depend on host-side state.
         """
+        if torch.compiler.is_compiling():
+            return args, kwargs
         self._check_config()
         # (transformers up to 5.23 names the KV cache past_key_values, later versions cache)
         cache = next((kwargs[name] for name in ("past_key_values", "cache") if kwargs.get(name) is not None), None)
         self._active_cache = weakref.ref(cache) if cache is not None else None
         layers = getattr(cache, "layers", None)
+        if layers is not None:  # static layers always, dynamic ones on the device path, get a pool (focus_flex.cache)
+            device = next(self.parameters()).device
+            for layer in self.config.layers:
+                if layer < len(layers) and (self.device_path(device) or type(layers[layer]).__name__ == "StaticLayer"):
+                    to_focus_layer(layers[layer])
         for slot, entry in list(self._key_index.items()):
             layer = self.config.layers[slot]
             keys = getattr(layers[layer], "keys", None) if layers is not None and layer < len(layers) else None
@@ -264,9 +299,14 @@ class FocusAdapter(nn.Module):
         return index
 
     def forward(self, module: nn.Module, slot: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                padding: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
-        """Focus attention for one layer: ``[B, Hq, Lq, D]`` q and ``[B, Hkv, Lk, D]`` k/v -> ``[B, Hq, Lq, D]``."""
+                padding: torch.Tensor | None, scaling: float | None, cache_layer: object = None) -> torch.Tensor:
+        """Focus attention for one layer: ``[B, Hq, Lq, D]`` q and ``[B, Hkv, Lk, D]`` k/v -> ``[B, Hq, Lq, D]``.
+        ``cache_layer``: the KV cache's layer that returned k/v (a Focus cache layer: :mod:`focus_flex.cache`)."""
         cent, c = self.centroids[slot], self.config
+        if isinstance(cache_layer, FocusStaticLayer) and self.mode != "fast":  # the buffer's filled part
+            length = int(cache_layer.cumulative_length)
+            key, value = key[:, :, :length], value[:, :, :length]
+            padding = None if padding is None else padding[:, :length]
         if self.mode == "soft":
             return soft_attention(query, key, value, cent, c, attention_mask=padding, scale=scaling)
         if module.training and torch.is_grad_enabled() and cent.requires_grad:
@@ -276,9 +316,11 @@ class FocusAdapter(nn.Module):
                              "Focus on, freeze them (adapter.requires_grad_(False)).")
         if self.mode == "reference":
             return reference_attention(query, key, value, cent.detach(), c, attention_mask=padding, scale=scaling)
+        if isinstance(cache_layer, FOCUS_LAYERS):
+            return cached_attention(cache_layer, query, key, value, cent.detach(), c, padding, scaling, self.kernel)
         with small_work(query.device) if query.shape[2] <= DECODE_MAX_QUERIES else contextlib.nullcontext():
             return focus_attention(query, key, value, cent.detach(), c, attention_mask=padding, scale=scaling,
-                                   key_index=self.key_index(slot, key))
+                                   key_index=self.key_index(slot, key), kernel=self.kernel)
 
     # ---- files -------------------------------------------------------------------------------
     def save_pretrained(self, directory: str | os.PathLike) -> str:
@@ -453,13 +495,24 @@ class FocusMask:
 
 
 def _mask_builder(**kwargs) -> FocusMask:
-    q_end, kv_end = kwargs.get("q_offset", 0) + kwargs["q_length"], kwargs.get("kv_offset", 0) + kwargs["kv_length"]
-    if kv_end > q_end:
-        raise ValueError(f"Focus attention got {kv_end} key slots for queries ending at position {q_end}: a "
-                         "pre-allocated cache (cache_implementation='static', or another compileable cache) holds "
-                         "slots for future tokens, which Focus does not support. Use the default dynamic cache "
-                         "(drop cache_implementation).")
     return FocusMask(**kwargs)
+
+
+def _padding_mask_for_generate(*, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+    """What ``generate`` hands an attached model as its mask: the 2-D padding mask as it is."""
+    return attention_mask
+
+
+def _pass_cache_layer(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A Focus attention module's pre-hook: its KV cache layer reaches the attention function as ``focus_cache_layer``
+    (transformers passes the module's extra keyword arguments on to it)."""
+    cache = kwargs.get("past_key_values")
+    if cache is None:  # (transformers from 5.24 on names it cache)
+        cache = kwargs.get("cache")
+    layers = getattr(cache, "layers", None)
+    if layers is not None and module.layer_idx < len(layers):
+        kwargs["focus_cache_layer"] = layers[module.layer_idx]
+    return args, kwargs
 
 
 def _attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -492,7 +545,7 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
     else:
         raise ValueError(f"Focus attention got a {getattr(attention_mask, 'ndim', '?')}-D attention mask; pass a 2-D "
                          f"[batch, length] padding mask (1 = token, 0 = pad). Custom 4-D masks are not supported.")
-    out = adapter(module, state.slot, query, key, value, padding, scaling)
+    out = adapter(module, state.slot, query, key, value, padding, scaling, kwargs.get("focus_cache_layer"))
     weights = None
     if kwargs.get("output_attentions"):
         if adapter.mode == "soft":

@@ -29,6 +29,7 @@ ints closed over by a ``mask_mod``, so new lengths within a bucket do not recomp
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, and_masks, or_masks
@@ -105,13 +106,29 @@ def _(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def _lookup(table: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``table[b, i]`` for a per-row table ``[B, L]``, ``table[b, h, i]`` for a per-head one ``[B, H, L]``.
+class KVHeadTable(NamedTuple):
+    """A per-KV-head table ``[B, Hkv, L]`` that query head h reads as ``table[b, h // rep, i]`` (GQA: no copy of the
+    table per query head)."""
 
-    Inside a ``torch.compile`` trace the table passes through :func:`_table` first: torch 2.13's CPU flex lowering
+    table: torch.Tensor
+    rep: int
+
+
+Table = torch.Tensor | KVHeadTable
+
+
+def _lookup(table: Table) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``table[b, i]`` for a per-row table ``[B, L]``, ``table[b, h, i]`` for a per-head one ``[B, H, L]``,
+    ``table[b, h // rep, i]`` for a :class:`KVHeadTable`.
+
+    Inside a ``torch.compile`` trace a plain table passes through :func:`_table` first: torch 2.13's CPU flex lowering
     fails ("NotImplementedError: Pointwise") on a ``mask_mod`` capturing a tensor that the same graph computes
-    pointwise and has not yet stored, and an opaque op's output is always stored.
+    pointwise and has not yet stored, and an opaque op's output is always stored. A :class:`KVHeadTable` is a cache's
+    stored state, read in place.
     """
+    if isinstance(table, KVHeadTable):
+        stored, rep = table
+        return lambda b, h, i: stored[b, h // rep, i]
     if torch.compiler.is_compiling():
         table = _table(table)
     if table.dim() == 2:
@@ -119,7 +136,7 @@ def _lookup(table: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor, torch.
     return lambda b, h, i: table[b, h, i]
 
 
-def same_group(q_member: torch.Tensor, k_member: torch.Tensor) -> MaskMod:
+def same_group(q_member: Table, k_member: Table) -> MaskMod:
     """Query and key share a group; memberships are int64 bitmasks ``[B, H, L]`` (bit g: group g), per slot::
 
         a . . . . .     (q and k in groups a/b, alternating)
@@ -135,7 +152,7 @@ def same_group(q_member: torch.Tensor, k_member: torch.Tensor) -> MaskMod:
     return mask_mod
 
 
-def first_shared_group(q_group: torch.Tensor, q_member: torch.Tensor, k_member: torch.Tensor) -> MaskMod:
+def first_shared_group(q_group: Table, q_member: Table, k_member: Table) -> MaskMod:
     """The query slot's group (one bit, ``q_group`` ``[B, H, Lq]``) is the lowest group query and key share.
 
     A query and a key both in several groups would otherwise meet once per shared group; with this only the copy of
@@ -150,7 +167,32 @@ def first_shared_group(q_group: torch.Tensor, q_member: torch.Tensor, k_member: 
     return mask_mod
 
 
-def key_flag(flags: torch.Tensor) -> MaskMod:
+def key_in_first_shared_group(k_group: Table, q_member: Table, k_member: Table) -> MaskMod:
+    """The key slot's group (one bit, ``k_group``) is the lowest group query and key share: the key-side twin of
+    :func:`first_shared_group`, for layouts that hold a key once per group it is in (a cache paged by group)."""
+    k_bit, q_bits, k_bits = _lookup(k_group), _lookup(q_member), _lookup(k_member)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_bits(b, h, q_idx) & k_bits(b, h, kv_idx) & (k_bit(b, h, kv_idx) - 1)) == 0
+
+    return mask_mod
+
+
+def key_slots(start: int, end: int) -> MaskMod:
+    """Key slots ``[start, end)``, a region of a layout, for every query (``key_slots(1, 3)``)::
+
+        . x x .
+        . x x .
+        . x x .
+    """
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx >= start) & (kv_idx < end)
+
+    return mask_mod
+
+
+def key_flag(flags: Table) -> MaskMod:
     """Key slots where ``flags`` (bool ``[B, Lk]`` or ``[B, H, Lk]``) is set, for every query (a column)::
 
         . x . .
@@ -165,7 +207,7 @@ def key_flag(flags: torch.Tensor) -> MaskMod:
     return mask_mod
 
 
-def at_positions(mask_mod: MaskMod, q_pos: torch.Tensor, k_pos: torch.Tensor) -> MaskMod:
+def at_positions(mask_mod: MaskMod, q_pos: Table, k_pos: Table) -> MaskMod:
     """``mask_mod`` of token positions, evaluated on slots: query slot i holds position ``q_pos[.., i]``, key slot j
     position ``k_pos[.., j]`` (tables ``[B, L]`` or ``[B, H, L]``). A layout's padding is -1 (queries) and
     :data:`NO_KEY` (keys). For example ``causal`` over keys in the order 0 1 4 2 3 (position per slot)::
