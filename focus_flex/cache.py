@@ -30,8 +30,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, and_masks, or_masks
 from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
-from focus_flex import routing
-from focus_flex.attention import _flex
+from focus_flex import attention, routing
 from focus_flex.config import FocusConfig
 from focus_flex.masks import (
     NO_KEY,
@@ -184,7 +183,7 @@ class GroupPool:
         against the pool: ``[B, Hq, 1, D]``, what :func:`~focus_flex.attention.reference_attention` gives over the
         whole cache. One FlexAttention call."""
         q_groups = route(q, centroids, self.config.query_top_k)
-        out, _ = _flex(q, self.k, self.v, self.block_mask(q_groups, q_pos), scale, lse=False)
+        out, _ = attention._flex(q, self.k, self.v, self.block_mask(q_groups, q_pos), scale, lse=False)
         return out
 
     def clear(self) -> None:
@@ -288,8 +287,6 @@ def cached_attention(layer: FocusStaticLayer | FocusDynamicLayer, q: torch.Tenso
     the layer's pool; one query per row (a decode step) attends through it (:meth:`GroupPool.attend`); more (a
     prefill) run :func:`~focus_flex.attention.focus_attention` on the cache's tokens with ``kernel``.
     """
-    from focus_flex.attention import focus_attention
-
     b, hq, lq, d = q.shape
     dev, static = q.device, isinstance(layer, FocusStaticLayer)
     scale = d ** -0.5 if scale is None else scale
@@ -313,5 +310,5 @@ def cached_attention(layer: FocusStaticLayer | FocusDynamicLayer, q: torch.Tenso
     if lq == 1:
         return pool.attend(q, centroids, pos[:, 0], scale)
     length = int(end) if static else k.shape[2]  # a prefill reads the tokens in order (host read: once per call)
-    return focus_attention(q, k[:, :, :length], v[:, :, :length], centroids, config,
+    return attention.focus_attention(q, k[:, :, :length], v[:, :, :length], centroids, config,
                            attention_mask=None if padding is None else valid[:, :length], scale=scale, kernel=kernel)
