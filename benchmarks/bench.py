@@ -11,10 +11,11 @@ Sections (``--sections``):
   Routing is balanced: queries and keys are drawn around the centroids.
 * ``prefill`` — SmolLM2 end to end (``logits_to_keep=1``): Focus vs SDPA, plus the pair density of real routing.
 * ``decode`` — tokens/s on a KV cache of each length: Focus vs SDPA, alternating in one process (SDPA on a copy of
-  the model), each on its own cache. A cache holds a real 2K-token prefill's keys/values tiled to the length,
-  preallocated (transformers' ``DynamicCache`` re-concatenates the whole cache every step, which would dominate both
-  methods alike). A line through the shortest and longest cache splits each method's time per token into a fixed
-  part and a part per cached token.
+  the model), each on its own cache; and Focus's device path (a static ``FocusCache``, each step one compiled
+  FlexAttention call per layer: what GPUs run, slow on CPU, recorded for the cost model of docs/gpu.md). A cache
+  holds a real 2K-token prefill's keys/values tiled to the length, preallocated (transformers' ``DynamicCache``
+  re-concatenates the whole cache every step, which would dominate both methods alike). A line through the
+  shortest and longest cache splits each method's time per token into a fixed part and a part per cached token.
 * ``memory`` — peak RSS of Focus and SDPA for each op, prefill and decode size, each method alone in a fresh process
   (op and prefill: its first full-size call after a small warm-up; decode: its timed steps after two warm-up
   steps), under both allocator settings: the C library's default (what a program importing focus_flex gets) and
@@ -684,6 +685,8 @@ def _decode_setup(spec: dict[str, Any]) -> tuple[Any, Any, Callable[[], Any], to
     """Model, adapter (detached), a factory of caches holding ``spec["n"]`` tokens, and the first token to feed."""
     from transformers import DynamicCache
 
+    from focus_flex.cache import FocusCache
+
     model, tokenizer, adapter = _load(spec)
     n, steps = spec["n"], spec["tokens"]
     real = min(n, 2048)
@@ -695,9 +698,13 @@ def _decode_setup(spec: dict[str, Any]) -> tuple[Any, Any, Callable[[], Any], to
     # with and without the C kernels share a cache)
     reps = -(-n // real)
 
-    def fresh_cache() -> Any:  # the real prefill's K/V tiled to n tokens (attention cost does not depend on values)
-        cache = DynamicCache(config=model.config)
-        cache.layers = [_GrowingLayer.make(capacity) for _ in kv]
+    def fresh_cache(device_path: bool = False) -> Any:  # the real prefill's K/V tiled to n tokens (attention cost
+        # does not depend on values); device_path: a static FocusCache, whose Focus layers decode through their pool
+        if device_path:
+            cache = FocusCache(model.config, max_cache_len=capacity)
+        else:
+            cache = DynamicCache(config=model.config)
+            cache.layers = [_GrowingLayer.make(capacity) for _ in kv]
         for i, (k, v) in enumerate(kv):
             cache.layers[i].update(k.repeat(1, 1, reps, 1)[:, :, :n], v.repeat(1, 1, reps, 1)[:, :, :n])
         return cache
@@ -714,9 +721,9 @@ def _decode_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     model, adapter, fresh_cache, first = _decode_setup(spec)
     steps = spec["tokens"]
-    models = {"sdpa": copy.deepcopy(model), "focus": adapter.attach(model)}
-    caches = {name: fresh_cache() for name in models}
-    # Warm-up: two steps each (Focus routes the whole cache in the first).
+    models = {"sdpa": copy.deepcopy(model), "focus": adapter.attach(model), "device": model}
+    caches = {name: fresh_cache(device_path=name == "device") for name in models}
+    # Warm-up: two steps each (Focus routes the whole cache in the first; the device path compiles its flex call).
     last = {name: _decode_steps(m, 2, caches[name], first) for name, m in models.items()}
 
     def step(name: str) -> None:
@@ -726,7 +733,7 @@ def _decode_worker(spec: dict[str, Any]) -> dict[str, Any]:
         with native.disabled():
             step("focus")
 
-    methods = {"focus": lambda: step("focus"), "sdpa": lambda: step("sdpa")}
+    methods = {"focus": lambda: step("focus"), "sdpa": lambda: step("sdpa"), "device": lambda: step("device")}
     if native.library() is not None:
         methods["fallback"] = fallback
     times = _measure(methods, spec["repeats"], spec["max_seconds"])
@@ -997,14 +1004,16 @@ def to_markdown(results: dict[str, Any]) -> str:
     if results.get("decode"):
         lines += ["## Decode (tokens/s on a KV cache of N tokens; both methods in one process, alternating rounds of "
                   "steps, each on its own preallocated cache; best round)", "",
-                  "| cache N | dtype | steps x rounds | Focus tok/s | SDPA tok/s | x SDPA | PyTorch fallback tok/s |",
-                  "|---" * 7 + "|"]
+                  "| cache N | dtype | steps x rounds | Focus tok/s | SDPA tok/s | x SDPA | PyTorch fallback tok/s | "
+                  "device path (static FocusCache, flex) tok/s |",
+                  "|---" * 8 + "|"]
         for r in results["decode"]:
             rounds = min(r[m].get("rounds", 1) for m in ("focus", "sdpa"))
             fb = f"{r['fallback']['tokens_per_s']:.2f}" if "fallback" in r else "-"
+            dev = f"{r['device']['tokens_per_s']:.2f}" if "device" in r else "-"
             lines.append(f"| {r['n']} | {r['model_dtype']} | {r['tokens']} x {rounds} | "
                          f"{r['focus']['tokens_per_s']:.2f} | {r['sdpa']['tokens_per_s']:.2f} | "
-                         f"{r['focus']['tokens_per_s'] / r['sdpa']['tokens_per_s']:.2f} | {fb} |")
+                         f"{r['focus']['tokens_per_s'] / r['sdpa']['tokens_per_s']:.2f} | {fb} | {dev} |")
         fit = decode_fit(results["decode"])
         if fit:
             f, s = fit["focus"], fit["sdpa"]

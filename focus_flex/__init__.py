@@ -2,11 +2,13 @@
 
 from focus_flex.adapter import FocusAdapter
 from focus_flex.attention import focus_attention, reference_attention, soft_attention
+from focus_flex.cache import FocusCache
 from focus_flex.config import CONFIG_NAME, WEIGHTS_NAME, FocusConfig, __version__
 
 __all__ = [
     "FocusConfig",
     "FocusAdapter",
+    "FocusCache",
     "focus_attention",
     "reference_attention",
     "soft_attention",

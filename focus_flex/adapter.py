@@ -21,6 +21,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers.cache_utils import StaticLayer
 
 from focus_flex.attention import (
     DECODE_MAX_QUERIES,
@@ -235,11 +236,23 @@ class FocusAdapter(nn.Module):
           routing reads q and k after the position encoding, so a left-padded row would otherwise route (and
           attend) differently from the same text unpadded.
 
-        Inside a ``torch.compile`` trace (a compiled ``model.__call__``, as ``generate`` compiles decode steps) it does
-        nothing: the eager prefill before did it, and a compiled step must not depend on host-side state.
+        Inside a ``torch.compile`` trace (a compiled ``model.__call__``, as ``generate`` compiles decode steps) only the
+        last: the checks and the caches' bookkeeping are host-side state, done by the eager forward before (a
+        prefill), which a compiled step must not depend on.
         """
-        if torch.compiler.is_compiling():
-            return args, kwargs
+        if not torch.compiler.is_compiling():
+            self._track_cache(kwargs)
+        mask, x = kwargs.get("attention_mask"), kwargs.get("input_ids", args[0] if args else None)
+        x = kwargs.get("inputs_embeds") if x is None else x
+        if (kwargs.get("position_ids") is None and isinstance(mask, torch.Tensor) and mask.dim() == 2 and x is not None
+                and not bool(mask.all()) and "position_ids" in inspect.signature(module.forward).parameters):
+            pos = mask.long().cumsum(-1) - 1
+            kwargs["position_ids"] = pos.masked_fill(mask == 0, 1)[:, -x.shape[1]:]
+        return args, kwargs
+
+    def _track_cache(self, kwargs: dict) -> None:
+        """:meth:`_enter`'s host-side part: check the config, make the call's KV cache the active one, turn its Focus
+        layers into Focus cache layers where they need a pool, and drop the key indexes of edited caches."""
         self._check_config()
         # (transformers up to 5.23 names the KV cache past_key_values, later versions cache)
         cache = next((kwargs[name] for name in ("past_key_values", "cache") if kwargs.get(name) is not None), None)
@@ -256,13 +269,6 @@ class FocusAdapter(nn.Module):
             same = keys is not None and keys is entry.keys() and _version(keys) == entry.version
             if entry.cache() is not cache or not same:
                 del self._key_index[slot]
-        mask, x = kwargs.get("attention_mask"), kwargs.get("input_ids", args[0] if args else None)
-        x = kwargs.get("inputs_embeds") if x is None else x
-        if (kwargs.get("position_ids") is None and isinstance(mask, torch.Tensor) and mask.dim() == 2 and x is not None
-                and not bool(mask.all()) and "position_ids" in inspect.signature(module.forward).parameters):
-            pos = mask.long().cumsum(-1) - 1
-            kwargs["position_ids"] = pos.masked_fill(mask == 0, 1)[:, -x.shape[1]:]
-        return args, kwargs
 
     def _check_config(self) -> None:
         """``adapter.config`` is the adapter's live configuration: valid, and still describing the centroids."""
@@ -303,6 +309,11 @@ class FocusAdapter(nn.Module):
         """Focus attention for one layer: ``[B, Hq, Lq, D]`` q and ``[B, Hkv, Lk, D]`` k/v -> ``[B, Hq, Lq, D]``.
         ``cache_layer``: the KV cache's layer that returned k/v (a Focus cache layer: :mod:`focus_flex.cache`)."""
         cent, c = self.centroids[slot], self.config
+        if isinstance(cache_layer, StaticLayer) and not isinstance(cache_layer, FocusStaticLayer):
+            raise ValueError("A static KV cache reached Focus attention without its Focus state: a static cache's "
+                             "layers become Focus cache layers at an eager forward of the attached model, and this "
+                             "cache's first forward was compiled. Run the prefill eagerly (generate does), or pass "
+                             "past_key_values=focus_flex.cache.FocusCache(model.config, max_cache_len=...).")
         if isinstance(cache_layer, FocusStaticLayer) and self.mode != "fast":  # the buffer's filled part
             length = int(cache_layer.cumulative_length)
             key, value = key[:, :, :length], value[:, :, :length]

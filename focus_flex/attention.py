@@ -77,7 +77,7 @@ def groups_from_membership(member: torch.Tensor, k: int, num_groups: int) -> tor
 def focus_pattern(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, config: FocusConfig, *,
                   attention_mask: torch.Tensor | None = None, q_member: torch.Tensor | None = None,
                   k_member: torch.Tensor | None = None) -> torch.Tensor:
-    """The Focus pattern as a dense bool ``[B, Hq, Lq, Lk]`` (DESIGN.md §2). O(Lq * Lk).
+    """The Focus pattern as a dense bool ``[B, Hq, Lq, Lk]`` (docs/design.md, "The semantics"). O(Lq * Lk).
 
     Query i may attend key j iff j <= i, both are real tokens, and
     ``pos_i - pos_j < window or pos_j < sink_tokens or groups(q_i) ∩ groups(k_j) ≠ ∅``.
@@ -218,7 +218,7 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, sc
     return (out[0], out[1].lse) if lse else (out, None)
 
 
-def _rows(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+def _gather_rows(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """``out[b, h, i] = x[b, h, src[b, h, i]]``, zero where ``src < 0``; x ``[B, H, L, D]``, src ``[B, H, M]``."""
     out = x.gather(2, src.clamp_min(0)[..., None].expand(-1, -1, -1, x.shape[-1]))
     return out.masked_fill((src < 0)[..., None], 0)
@@ -253,7 +253,8 @@ def _extra_key_part(out: torch.Tensor, score: torch.Tensor, d: int) -> Part:
     The extra key scored ``score`` (``[B, H, L]``) and its value is the flag channel ``d + 1``; real keys carry flag
     channel ``d``. So ``r_real = out[..., d]`` and ``r_extra = out[..., d + 1]`` are the softmax masses of the real
     keys and of the extra key, ``out[..., :d] / r_real`` is the output over the real keys and
-    ``lse = score + log r_real - log r_extra`` (DESIGN.md §4 (a)). Rows with no real key get lse = -inf.
+    ``lse = score + log r_real - log r_extra`` (docs/design.md, "The kernels": the extra key). Rows with no real
+    key get lse = -inf.
     """
     tiny = torch.finfo(torch.float32).tiny
     real, extra = out[..., d].float(), out[..., d + 1].float()
@@ -313,7 +314,7 @@ def far_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FarPlan, l
     ~e^87, and the merge is exact."""
     d = q.shape[-1]
     qf = q.gather(2, plan.q_src[..., None].expand(-1, -1, -1, d))
-    kf, vf = _rows(k, plan.k_src), _rows(v, plan.k_src)
+    kf, vf = _gather_rows(k, plan.k_src), _gather_rows(v, plan.k_src)
     if plan.extra is None:
         out, lse = _flex(qf, kf, vf, plan.mask, scale, lse=True)
         return Part(out, None, torch.where(plan.q_real, lse, float("-inf")))
@@ -400,8 +401,8 @@ def _few_queries_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ce
     causal = j <= (j[lk - lq:, None])  # [Lq, Lk]
     real = valid[:, None, :] & causal & q_valid[:, :, None]  # [B, Lq, Lk]
     near = ((q_pos[:, :, None] - pos[:, None, :]) < config.window) | (pos < config.sink_tokens)[:, None, :]
-    tile = lambda x: x.repeat(1, rows // lq, 1)[:, None]  # noqa: E731  [B, Lq, Lk] -> [B, 1, rows, Lk]
-    allowed = (((q_member[..., None] & k_member[:, :, None, :]) != 0) | tile(near)) & tile(real)
+    near, real = (x.repeat(1, rows // lq, 1)[:, None] for x in (near, real))  # [B, Lq, Lk] -> [B, 1, rows, Lk]
+    allowed = (((q_member[..., None] & k_member[:, :, None, :]) != 0) | near) & real
     # Keys any query row of a KV head needs are gathered once for all of them.
     union = allowed.any(2)  # [B, Hkv, Lk]
     count = union.sum(-1)

@@ -101,6 +101,13 @@ class GroupPool:
         self.counts = torch.zeros(batch, kv_heads, g, **i64)
         self.next_page = torch.zeros(batch, kv_heads, **i64)
         self.real = torch.zeros(batch, **i64)
+        if not torch.compiler.is_compiling():  # updated in place at every step: CUDA graphs may keep their addresses
+            for t in self.tensors():
+                torch._dynamo.mark_static_address(t)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The pool's state: every tensor it holds."""
+        return [self.k, self.v, self.pos, self.group, self.member, self.pages, self.counts, self.next_page, self.real]
 
     @property
     def slots(self) -> int:
@@ -188,14 +195,13 @@ class GroupPool:
 
     def clear(self) -> None:
         """Empty the pool in place (its tensors keep their addresses: a captured decode step stays valid)."""
-        self.pos.fill_(NO_KEY)
-        for t in (self.group, self.member, self.counts, self.next_page, self.real):
+        for t in self.tensors():
             t.zero_()
+        self.pos.fill_(NO_KEY)
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep the batch rows ``rows`` (beam search's reordering), in place."""
-        for name in ("k", "v", "pos", "group", "member", "pages", "counts", "next_page", "real"):
-            t = getattr(self, name)
+        for t in self.tensors():
             t.copy_(t.index_select(0, rows.to(t.device)))
 
 
@@ -293,7 +299,14 @@ def cached_attention(layer: FocusStaticLayer | FocusDynamicLayer, q: torch.Tenso
     if static:
         end = layer.cumulative_length  # tokens in the cache, the new ones included (a device scalar)
         new = end - lq + torch.arange(lq, device=dev)
-    valid = torch.ones(b, k.shape[2], dtype=torch.bool, device=dev) if padding is None else padding.to(dev, torch.bool)
+    valid = None if padding is None else padding.to(dev, torch.bool)
+
+    def real(index: torch.Tensor | slice) -> torch.Tensor:  # [B, n]: which of these cache slots hold real tokens
+        if valid is None:
+            n = len(index) if isinstance(index, torch.Tensor) else len(range(k.shape[2])[index])
+            return torch.ones(b, n, dtype=torch.bool, device=dev)
+        return valid.index_select(1, index) if isinstance(index, torch.Tensor) else valid[:, index]
+
     pool = layer.pool
     if pool is None or (not static and k.shape[2] > pool.capacity):
         capacity = layer.max_cache_len if static else int(k.shape[2] * _CAPACITY_SLACK) + config.block_size
@@ -301,14 +314,15 @@ def cached_attention(layer: FocusStaticLayer | FocusDynamicLayer, q: torch.Tenso
         before = int(end) - lq if static else k.shape[2] - lq  # tokens cached before this call (host read: once)
         if before:
             pool.append(k[:, :, :before], v[:, :, :before], route(k[:, :, :before], centroids, config.key_top_k),
-                        valid[:, :before])
+                        real(slice(0, before)))
     if static:
-        k_new, v_new, valid_new = k.index_select(2, new), v.index_select(2, new), valid.index_select(1, new)
+        k_new, v_new, valid_new = k.index_select(2, new), v.index_select(2, new), real(new)
     else:
-        k_new, v_new, valid_new = k[:, :, -lq:], v[:, :, -lq:], valid[:, -lq:]
+        k_new, v_new, valid_new = k[:, :, -lq:], v[:, :, -lq:], real(slice(-lq, None))
     pos = pool.append(k_new, v_new, route(k_new, centroids, config.key_top_k), valid_new)
     if lq == 1:
         return pool.attend(q, centroids, pos[:, 0], scale)
     length = int(end) if static else k.shape[2]  # a prefill reads the tokens in order (host read: once per call)
     return attention.focus_attention(q, k[:, :, :length], v[:, :, :length], centroids, config,
-                           attention_mask=None if padding is None else valid[:, :length], scale=scale, kernel=kernel)
+                                     attention_mask=None if valid is None else valid[:, :length], scale=scale,
+                                     kernel=kernel)

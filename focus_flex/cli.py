@@ -94,6 +94,11 @@ def _eval_source(args: argparse.Namespace, training: bool = True) -> tuple[str |
     return args.data, args.eval_split or ("eval" if args.data is None else "validation")
 
 
+
+def _folder(source: str) -> Path:
+    """The folder a saved dataset named by ``source`` lives in, as an absolute path."""
+    return Path(os.path.expanduser(source)).resolve()
+
 def _check_disjoint(train: str | None, train_split: str, held: str | None, held_split: str) -> None:
     """Training and evaluation text must not share a document (the protocol splits by whole documents)."""
     from focus_flex.data import _is_path, _resolve_files, _saved_dataset, corpus_split
@@ -114,8 +119,7 @@ def _check_disjoint(train: str | None, train_split: str, held: str | None, held_
         raise CliError(f"the evaluation text shares {len(shared)} file(s) with the training text (e.g. "
                        f"{shared[0].name}): evaluate on whole documents never seen in training (--eval-data, "
                        f"--eval-split, --train-split)")
-    where = lambda source: Path(os.path.expanduser(source)).resolve()  # noqa: E731 (a saved dataset's folder)
-    if a is None and b is None and train_split == held_split and (train == held or where(train) == where(held)):
+    if a is None and b is None and train_split == held_split and (train == held or _folder(train) == _folder(held)):
         raise CliError(f"--data and --eval-data are the same split {train_split!r} of {train!r}: evaluate on "
                        f"another split (--eval-split) or dataset")
 

@@ -1,6 +1,7 @@
 """Focus masks as FlexAttention ``mask_mod``s and ``BlockMask``s.
 
-The pattern (DESIGN.md §2) is the union of three pieces, each a tiny ``mask_mod`` over token positions::
+The pattern (docs/design.md, "The semantics") is the union of three pieces, each a tiny ``mask_mod`` over token
+positions::
 
     causal            sliding_window(3)    sinks(1)           same_group (letters = groups)
     x . . . . .       x . . . . .          x . . . . .        a . . . . .
@@ -278,12 +279,12 @@ def range_block_mask(has: torch.Tensor, prefix: int, start: torch.Tensor, end: t
     c = torch.where(has, end - full_end, 0)
     f = torch.where(has, full_end - full_start, 0)
     j = torch.arange(kv_len // block_size, device=start.device)
-    ex = lambda t: t[..., None]  # noqa: E731
-    idx = torch.where(j < ex(a), j, torch.where(j < ex(a + b), ex(start - a) + j, ex(full_end - a - b) + j))
-    idx = torch.where(j < ex(a + b + c), idx, 0)
-    full_idx = torch.where(j < ex(f), ex(full_start) + j, 0)
+    a, b, c, f, start, full_start, full_end = (t[..., None] for t in (a, b, c, f, start, full_start, full_end))
+    idx = torch.where(j < a, j, torch.where(j < a + b, start - a + j, full_end - a - b + j))
+    idx = torch.where(j < a + b + c, idx, 0)
+    full_idx = torch.where(j < f, full_start + j, 0)
     i32 = torch.int32
-    return BlockMask.from_kv_blocks((a + b + c).to(i32), idx.to(i32), f.to(i32), full_idx.to(i32),
+    return BlockMask.from_kv_blocks((a + b + c)[..., 0].to(i32), idx.to(i32), f[..., 0].to(i32), full_idx.to(i32),
                                     BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(q_len, kv_len),
                                     compute_q_blocks=False)
 

@@ -80,6 +80,11 @@ def _floor_div(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.div(x, n, rounding_mode="floor")
 
 
+def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[..., L]`` -> ``[..., L / block_size, block_size]``: the rows of each query block."""
+    return x.unflatten(-1, (-1, block_size))
+
+
 @dataclass
 class LocalPlan:
     """The local call's layout. Keys: ``sink_slots`` slots first, holding copies of the sinks (key ``sinks[b, j]``
@@ -237,18 +242,18 @@ def far_plan(q_groups: torch.Tensor, k_groups: torch.Tensor, valid: torch.Tensor
         mod = or_masks(mod, key_flag(extra.repeat_interleave(rep, 1)))
     mods = [same_group(q_bit, k_bit), mod]
     # Per query block: the hull of the rows' [first, hi); blocks inside every row's [lo, hi) are full.
-    blk = lambda x: x.unflatten(-1, (nq_pad // bs, bs))  # noqa: E731
-    start = _floor_div(blk(torch.where(q_real, first, nk_pad)).amin(-1), bs)
-    end = _ceil_div(blk(torch.where(q_real, torch.maximum(hi, first + 1) if extra_key else hi, 0)).amax(-1), bs)
+    start = _floor_div(_blocks(torch.where(q_real, first, nk_pad), bs).amin(-1), bs)
+    end = _ceil_div(_blocks(torch.where(q_real, torch.maximum(hi, first + 1) if extra_key else hi, 0), bs).amax(-1),
+                    bs)
     if kq > 1 and kk > 1:  # a pair sharing several groups counts only in the lowest one: no full blocks
         full_start = full_end = end
         q_member = routing.membership(q_groups).gather(-1, q_src)
         k_member = routing.membership(k_groups).gather(-1, k_src.clamp_min(0)).masked_fill(k_src < 0, 0)
         mods.append(first_shared_group(q_bit, q_member, k_member.repeat_interleave(rep, 1)))
     else:
-        full_start = _ceil_div(blk(torch.where(q_real, lo, 0)).amax(-1), bs)
-        full_end = _floor_div(blk(torch.where(q_real, hi, nk_pad)).amin(-1), bs)
-    mask = range_block_mask(blk(q_real).any(-1), 0, start, end, full_start, full_end, and_masks(*mods), nq_pad,
+        full_start = _ceil_div(_blocks(torch.where(q_real, lo, 0), bs).amax(-1), bs)
+        full_end = _floor_div(_blocks(torch.where(q_real, hi, nk_pad), bs).amin(-1), bs)
+    mask = range_block_mask(_blocks(q_real, bs).any(-1), 0, start, end, full_start, full_end, and_masks(*mods), nq_pad,
                             nk_pad, bs)
     return FarPlan(mask, q_src, q_real, lo, hi, k_src, extra)
 
