@@ -74,6 +74,12 @@ def groups_from_membership(member: torch.Tensor, k: int, num_groups: int) -> tor
     return routing.member_bits(member, num_groups).topk(k, dim=-1).indices
 
 
+def near_pairs(q_pos: torch.Tensor, k_pos: torch.Tensor, config: FocusConfig) -> torch.Tensor:
+    """The pairs every Focus query attends whatever the groups: key in the query's window or a sink. Positions
+    ``[..., Lq]`` and ``[..., Lk]`` -> bool ``[..., Lq, Lk]`` (causality and padding are the caller's)."""
+    return ((q_pos[..., :, None] - k_pos[..., None, :]) < config.window) | (k_pos < config.sink_tokens)[..., None, :]
+
+
 def focus_pattern(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, config: FocusConfig, *,
                   attention_mask: torch.Tensor | None = None, q_member: torch.Tensor | None = None,
                   k_member: torch.Tensor | None = None) -> torch.Tensor:
@@ -93,11 +99,9 @@ def focus_pattern(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, con
     q_pos, q_valid = pos[:, lk - lq:], valid[:, lk - lq:]
     idx = torch.arange(lk, device=k.device)
     causal = idx[None, :] <= idx[lk - lq:, None]  # [Lq, Lk]
-    near = (q_pos[:, :, None] - pos[:, None, :]) < config.window  # [B, Lq, Lk]
-    sink = (pos < config.sink_tokens)[:, None, :]
     same = (q_member[..., :, None] & k_member[..., None, :]) != 0  # [B, Hq, Lq, Lk]
     real = (q_valid[:, :, None] & valid[:, None, :] & causal)[:, None]
-    return real & ((near | sink)[:, None] | same)
+    return real & (near_pairs(q_pos, pos, config)[:, None] | same)
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
@@ -141,7 +145,7 @@ def soft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids:
     q_pos = pos[:, lk - lq:]
     idx = torch.arange(lk, device=k.device)
     causal = idx[None, :] <= idx[lk - lq:, None]
-    near = ((q_pos[:, :, None] - pos[:, None, :]) < config.window) | (pos < config.sink_tokens)[:, None, :]
+    near = near_pairs(q_pos, pos, config)
     allowed = (valid[:, lk - lq:, None] & valid[:, None, :] & causal)[:, None]
     if torch.is_grad_enabled():
         bias = torch.where(near[:, None], torch.zeros((), device=q.device), overlap.log())
@@ -400,7 +404,7 @@ def _few_queries_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ce
     j = torch.arange(lk, device=k.device)
     causal = j <= (j[lk - lq:, None])  # [Lq, Lk]
     real = valid[:, None, :] & causal & q_valid[:, :, None]  # [B, Lq, Lk]
-    near = ((q_pos[:, :, None] - pos[:, None, :]) < config.window) | (pos < config.sink_tokens)[:, None, :]
+    near = near_pairs(q_pos, pos, config)
     near, real = (x.repeat(1, rows // lq, 1)[:, None] for x in (near, real))  # [B, Lq, Lk] -> [B, 1, rows, Lk]
     allowed = (((q_member[..., None] & k_member[:, :, None, :]) != 0) | near) & real
     # Keys any query row of a KV head needs are gathered once for all of them.
@@ -437,11 +441,13 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
     through their log-sum-exps. ``kernel`` runs them as two block-sparse FlexAttention calls over all heads
     (``"flex"``, :func:`flex_prefill`: no host synchronisation, traceable by ``torch.compile(fullgraph=True)``) or as
     the CPU flash kernel (``"flash"``, :mod:`focus_flex.flash`: on CPU it computes a pair ~3x faster than compiled
-    flex); None picks ``"flash"`` on CPU where it applies (query or key top-k 1), else ``"flex"``.
-    Decode (Lq <= 16): the allowed keys are gathered (window + sinks + same-group keys). ``key_index``
-    (:class:`~focus_flex.decode.KeyIndex`) is the key routing a KV cache already computed for exactly these keys:
+    flex); None picks ``"flash"`` on CPU where it applies (query or key top-k 1), else ``"flex"``. ``"flex"`` runs
+    any number of queries (a decode step too) through :func:`flex_prefill` unless a ``key_index`` is given.
+    Decode (Lq <= 16) otherwise gathers the allowed keys (window + sinks + same-group keys): ``key_index``
+    (:class:`~focus_flex.decode.KeyIndex`) is the key routing a KV cache already computed for exactly these keys;
     with it and no padding, decode reads its per-group key lists and costs O(selected keys); otherwise decode is
-    O(Lk). Decode, the flash kernel and gradients run outside any ``torch.compile`` graph (one graph break).
+    O(Lk). Decode with a KV cache on the device path is :mod:`focus_flex.cache`. The CPU decode, the flash kernel
+    and gradients run outside any ``torch.compile`` graph (one graph break).
     Gradients reach q, k and v (not the centroids: hard routing) and are exact, at dense cost: the kernels
     merge through log-sum-exps that carry none, so the backward differentiates :func:`reference_attention`.
     To train the centroids use :func:`soft_attention`.
@@ -453,7 +459,7 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
                          f"{tuple(k.shape[:3])}")
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     flex = (kernel or default_kernel(q.device, config)) == "flex"
-    if flex and not grad and q.dim() == 4 and q.shape[2] > DECODE_MAX_QUERIES:  # the device path, traceable
+    if flex and not grad and q.dim() == 4 and (key_index is None or q.shape[2] > DECODE_MAX_QUERIES):  # traceable
         valid = check_inputs(q, k, v, centroids, config, attention_mask)
         return flex_prefill(q, k, v, centroids, config, valid, q.shape[-1] ** -0.5 if scale is None else scale)
     return _host_attention(q, k, v, centroids, config, attention_mask, scale, key_index, kernel)

@@ -53,6 +53,7 @@ from tqdm.auto import tqdm
 
 from focus_flex import routing
 from focus_flex.adapter import FocusAdapter, has_focus
+from focus_flex.attention import near_pairs
 from focus_flex.config import FocusConfig
 from focus_flex.data import check_windows
 
@@ -232,9 +233,8 @@ def _attention_rows(q: torch.Tensor, k: torch.Tensor, config: FocusConfig, query
     scale = d ** -0.5 if scale is None else scale
     kk = k.float().repeat_interleave(q.shape[1] // k.shape[1], 1)
     pos = torch.arange(n, device=q.device)
-    gap = query_idx[:, None] - pos[None, :]
-    future = gap < 0
-    near = ~future & ((gap < config.window) | (pos[None, :] < config.sink_tokens))
+    future = query_idx[:, None] < pos[None, :]
+    near = ~future & near_pairs(query_idx, pos, config)
     logits = torch.einsum("bhqd,bhkd->bhqk", q[:, :, query_idx].float(), kk) * scale
     return logits.masked_fill(future, float("-inf")).softmax(-1), near, future
 
