@@ -193,6 +193,22 @@ def test_generate_with_static_and_focus_caches_equals_the_dynamic_cache():
         adapter.kernel = None
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "gemma3"])
+@torch.no_grad()
+def test_static_cache_generate_across_architectures(arch):
+    """GPT-2 (no rotary encoding, its own attention signature) and Gemma-3 (sliding-window layers beside the Focus
+    ones, which keep transformers' own attention) generate the same tokens with the static cache as without."""
+    from test_adapter import ids, tiny
+
+    model = tiny(arch)
+    FocusAdapter.for_model(model, TINY_CFG, seed=3).attach(model)
+    x = ids(2, 40)
+    mask = torch.ones_like(x)
+    mask[0, :5] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(model.generate(x, cache_implementation="static", **kw), model.generate(x, **kw))
+
+
 @pytest.mark.slow
 @torch.no_grad()
 def test_real_smollm2_static_cache_compiled_generate_equals_recomputing_the_prefix():
