@@ -192,7 +192,7 @@ def lse_route(device: torch.device) -> str:
     """How the flex path gets each call's log-sum-exp on ``device``: ``"flex"`` where compiled FlexAttention returns
     it (``return_aux=AuxRequest(lse=True)``: GPUs), ``"extra_key"`` where it does not (torch 2.13's CPU backend).
 
-    Probed once per device type with a tiny compiled call (~3 s where it fails); inside a ``torch.compile`` trace
+    Probed once per device type with a tiny compiled call; inside a ``torch.compile`` trace
     nothing can be probed, so there an unprobed device type is assumed to be as in torch 2.13.
     """
     kind = device.type
@@ -238,7 +238,7 @@ SCORE_PAD = 16  # the extra-key score channel comes with zeros up to this many c
 
 def _score_channel(x: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
     """``x`` ``[B, H, L, D]`` with ``column`` ``[B, H, L, 1]`` appended as channel D, zero-padded to D + 16 channels
-    (a 65-channel q/k measured ~15% slower than an 80-channel one in compiled CPU flex)."""
+    (compiled CPU flex vectorises the head dim by 16)."""
     return F.pad(torch.cat([x, column.to(x.dtype)], -1), (0, SCORE_PAD - 1))
 
 
@@ -440,9 +440,9 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
     Prefill: a local part (window + sinks, tokens in order) and a far part (copies sorted by group), merged exactly
     through their log-sum-exps. ``kernel`` runs them as two block-sparse FlexAttention calls over all heads
     (``"flex"``, :func:`flex_prefill`: no host synchronisation, traceable by ``torch.compile(fullgraph=True)``) or as
-    the CPU flash kernel (``"flash"``, :mod:`focus_flex.flash`: on CPU it computes a pair ~3x faster than compiled
-    flex); None picks ``"flash"`` on CPU where it applies (query or key top-k 1), else ``"flex"``. ``"flex"`` runs
-    any number of queries (a decode step too) through :func:`flex_prefill` unless a ``key_index`` is given.
+    the CPU flash kernel (``"flash"``, :mod:`focus_flex.flash`: faster on CPU, docs/speed.md); None picks
+    ``"flash"`` on CPU where it applies (query or key top-k 1), else ``"flex"``. ``"flex"`` runs any number of
+    queries (a decode step too) through :func:`flex_prefill` unless a ``key_index`` is given.
     Decode (Lq <= 16) otherwise gathers the allowed keys (window + sinks + same-group keys): ``key_index``
     (:class:`~focus_flex.decode.KeyIndex`) is the key routing a KV cache already computed for exactly these keys;
     with it and no padding, decode reads its per-group key lists and costs O(selected keys); otherwise decode is

@@ -29,8 +29,7 @@ from focus_flex.train import TrainConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # retrofit's pattern, chosen on a development split of the training books, then checked once on the held-out ones
-# (README, Quality): the most groups a 64-bit mask holds, each key in its 4 best groups and a query in its best one
-# kept ~19% of SmolLM2's pairs at 4K tokens, like 16 groups with top-1 keys, at better perplexity.
+# (docs/quality.md): the most groups a 64-bit mask holds, each key in its 4 best groups and a query in its best one.
 DEFAULT_FOCUS = FocusConfig(num_groups=63, query_top_k=1, key_top_k=4, window=256, sink_tokens=4, tau=0.05)
 DEFAULT_TRAIN = TrainConfig()
 
@@ -497,8 +496,8 @@ def keep_freed_memory() -> bool:
     """Linux/glibc: keep freed buffers in the process heap instead of returning each to the OS.
 
     Training and evaluation allocate and free many ``[heads, L, L]`` temporaries (tens of MB); by default glibc
-    serves each from a fresh ``mmap`` whose pages are faulted in and zeroed again every time, which took over
-    half of the CPU time of ``retrofit`` on a 2-core machine (measured 1.7x faster on such a loop with this).
+    serves each from a fresh ``mmap`` whose pages are faulted in and zeroed again every time (docs/speed.md,
+    "Allocator").
     Only the ``focus-flex`` process is affected; returns whether the setting was applied.
     """
     if not sys.platform.startswith("linux"):
