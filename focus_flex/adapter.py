@@ -21,7 +21,6 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers.cache_utils import StaticLayer
 
 from focus_flex.attention import (
     DECODE_MAX_QUERIES,
@@ -30,7 +29,6 @@ from focus_flex.attention import (
     reference_attention,
     soft_attention,
 )
-from focus_flex.cache import FOCUS_LAYERS, FocusStaticLayer, cached_attention, to_focus_layer
 from focus_flex.config import CONFIG_NAME, WEIGHTS_NAME, FocusConfig
 from focus_flex.decode import KeyIndex
 from focus_flex.threads import small_work
@@ -259,6 +257,8 @@ class FocusAdapter(nn.Module):
         self._active_cache = weakref.ref(cache) if cache is not None else None
         layers = getattr(cache, "layers", None)
         if layers is not None:  # static layers always, dynamic ones on the device path, get a pool (focus_flex.cache)
+            from focus_flex.cache import to_focus_layer
+
             device = next(self.parameters()).device
             for layer in self.config.layers:
                 if layer < len(layers) and (self.device_path(device) or type(layers[layer]).__name__ == "StaticLayer"):
@@ -307,14 +307,16 @@ class FocusAdapter(nn.Module):
     def forward(self, module: nn.Module, slot: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 padding: torch.Tensor | None, scaling: float | None, cache_layer: object = None) -> torch.Tensor:
         """Focus attention for one layer: ``[B, Hq, Lq, D]`` q and ``[B, Hkv, Lk, D]`` k/v -> ``[B, Hq, Lq, D]``.
-        ``cache_layer``: the KV cache's layer that returned k/v (a Focus cache layer: :mod:`focus_flex.cache`)."""
+        ``cache_layer``: the KV cache's layer that returned k/v (a Focus cache layer, :mod:`focus_flex.cache`, is the
+        one with a ``focus_attention`` method)."""
         cent, c = self.centroids[slot], self.config
-        if isinstance(cache_layer, StaticLayer) and not isinstance(cache_layer, FocusStaticLayer):
+        focus_layer = getattr(cache_layer, "focus_attention", None) is not None
+        if type(cache_layer).__name__ == "StaticLayer":
             raise ValueError("A static KV cache reached Focus attention without its Focus state: a static cache's "
                              "layers become Focus cache layers at an eager forward of the attached model, and this "
                              "cache's first forward was compiled. Run the prefill eagerly (generate does), or pass "
                              "past_key_values=focus_flex.cache.FocusCache(model.config, max_cache_len=...).")
-        if isinstance(cache_layer, FocusStaticLayer) and self.mode != "fast":  # the buffer's filled part
+        if focus_layer and hasattr(cache_layer, "max_cache_len") and self.mode != "fast":  # a static buffer: its tokens
             length = int(cache_layer.cumulative_length)
             key, value = key[:, :, :length], value[:, :, :length]
             padding = None if padding is None else padding[:, :length]
@@ -327,8 +329,8 @@ class FocusAdapter(nn.Module):
                              "Focus on, freeze them (adapter.requires_grad_(False)).")
         if self.mode == "reference":
             return reference_attention(query, key, value, cent.detach(), c, attention_mask=padding, scale=scaling)
-        if isinstance(cache_layer, FOCUS_LAYERS):
-            return cached_attention(cache_layer, query, key, value, cent.detach(), c, padding, scaling, self.kernel)
+        if focus_layer:
+            return cache_layer.focus_attention(query, key, value, cent.detach(), c, padding, scaling, self.kernel)
         with small_work(query.device) if query.shape[2] <= DECODE_MAX_QUERIES else contextlib.nullcontext():
             return focus_attention(query, key, value, cent.detach(), c, attention_mask=padding, scale=scaling,
                                    key_index=self.key_index(slot, key), kernel=self.kernel)

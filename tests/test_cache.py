@@ -14,9 +14,10 @@ from torch.utils._python_dispatch import _disable_current_modes
 from transformers import CompileConfig
 
 from focus_flex import FocusAdapter, FocusConfig, attention, focus_attention, native, reference_attention
-from focus_flex.cache import FocusCache, FocusDynamicLayer, FocusStaticLayer, GroupPool, cached_attention
+from focus_flex.cache import FocusCache, FocusDynamicLayer, FocusStaticLayer, cached_attention
 from focus_flex.decode import KeyIndex
 from focus_flex.plan import route
+from focus_flex.pool import GroupPool
 
 
 def decode_against_reference(cfg, b, hq, hkv, n, prefix, chunks=2, pad=0, hole=False, dtype=torch.float32,
