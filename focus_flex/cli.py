@@ -218,8 +218,9 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
                             window=args.window, sink_tokens=args.sinks, tau=args.tau, layers=args.layers)
         tc = TrainConfig(objective=args.objective, steps=args.steps, batch_size=args.batch_size,
                          seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, balance_weight=args.balance_weight,
-                         query_samples=args.query_samples, init=args.init, seed=args.seed,
-                         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every)
+                         query_samples=args.query_samples, repeats=args.repeats, repeat_span=args.repeat_span,
+                         init=args.init, seed=args.seed, eval_every=args.eval_every,
+                         checkpoint_every=args.checkpoint_every)
         check_batch(tc.batch_size, world)
     except ValueError as e:
         raise CliError(f"invalid settings: {e}") from e
@@ -456,6 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup", type=int, default=c.warmup)
     t.add_argument("--balance-weight", type=float, default=c.balance_weight)
     t.add_argument("--query-samples", type=int, default=c.query_samples, help="distill: attention rows per layer")
+    t.add_argument("--repeats", type=int, default=c.repeats,
+                   help="distill: spans copied far ahead into each training sequence, half the rows read them back")
+    t.add_argument("--repeat-span", type=int, default=c.repeat_span, help="tokens per copied span")
     t.add_argument("--init", choices=["kmeans", "random"], default=c.init)
     t.add_argument("--seed", type=int, default=c.seed)
     t.add_argument("--eval-every", type=int, default=c.eval_every, help="dev metrics every N steps")

@@ -90,6 +90,8 @@ class TrainConfig:
     warmup: int = 2
     balance_weight: float = 1.0
     query_samples: int = 192  # distill: attention rows per sequence and layer
+    repeats: int = 0  # distill: spans copied far ahead into each training sequence (long-range repetition)
+    repeat_span: int = 32  # tokens per copied span
     init: str = "kmeans"  # spherical k-means of the keys of the first sequence, or "random"
     seed: int = 0
     eval_every: int = 0  # dev metrics every N steps (0: at the end only)
@@ -100,9 +102,13 @@ class TrainConfig:
             raise ValueError(f"objective={self.objective!r}; choose one of {OBJECTIVES}")
         if self.init not in INITS:
             raise ValueError(f"init={self.init!r}; choose one of {INITS}")
-        for name in ("steps", "batch_size", "seq_len", "query_samples"):
+        for name in ("steps", "batch_size", "seq_len", "query_samples", "repeat_span"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be an int >= 1")
+        if not isinstance(self.repeats, int) or self.repeats < 0:
+            raise ValueError(f"repeats={self.repeats!r} must be an int >= 0")
+        if self.repeats and self.objective != "distill":
+            raise ValueError("repeats needs objective='distill' (the copies choose which attention rows are distilled)")
         if not (0 < self.lr < math.inf and 0 <= self.balance_weight < math.inf and self.warmup >= 0):
             raise ValueError(f"lr={self.lr} must be finite and > 0, balance_weight={self.balance_weight} finite and "
                              f">= 0, warmup={self.warmup} >= 0")
@@ -289,6 +295,30 @@ def query_positions(n: int, count: int, config: FocusConfig, generator: torch.Ge
     return torch.randint(low, n, (count,), generator=generator)
 
 
+def with_repeats(seq: torch.Tensor, count: int, span: int, min_gap: int,
+                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``seq [L]`` with ``count`` spans of ``span`` tokens copied from earlier in it, each at least ``min_gap``
+    tokens after its source, and the positions ``[count * (span - 1)]`` that continue a copy.
+
+    A model reads a repeated span back from its first occurrence (induction and retrieval heads attend sharply,
+    far back): those rows are what routing must keep and what novels alone rarely show. The copies go into
+    disjoint slots of the sequence's last three quarters; each source is drawn uniformly before its copy.
+    """
+    n = seq.shape[0]
+    first = max(n // 4, min_gap + span)
+    slot = (n - first) // max(count, 1)
+    if count and slot < span:
+        raise ValueError(f"{count} repeats of {span} tokens do not fit a {n}-token sequence after {min_gap} tokens: "
+                         f"use fewer --repeats, a shorter --repeat-span or a longer --seq-len")
+    out, follow = seq.clone(), []
+    for r in range(count):
+        target = first + r * slot + int(torch.randint(0, slot - span + 1, (1,), generator=generator))
+        source = int(torch.randint(0, target - min_gap - span + 1, (1,), generator=generator))
+        out[target:target + span] = out[source:source + span]
+        follow.append(torch.arange(target + 1, target + span))
+    return out, torch.cat(follow) if follow else torch.zeros(0, dtype=torch.long)
+
+
 # ---- one step ------------------------------------------------------------------------------------
 
 
@@ -317,9 +347,14 @@ def accumulate_gradients(model: nn.Module, adapter: FocusAdapter, sequences: tor
     global_batch = tc.batch_size
     for seq, position in zip(sequences, positions, strict=True):
         if tc.objective == "distill":
-            qkv = teacher_qkv(model, seq[None])
             gen = _step_generator(tc.seed, step, 2 + position)
-            idx = query_positions(seq.shape[0], tc.query_samples, cfg, gen).to(seq.device)
+            idx = query_positions(seq.shape[0], tc.query_samples, cfg, gen)
+            if tc.repeats:  # half the rows where a copy is read back from far away
+                seq, follow = with_repeats(seq.cpu(), tc.repeats, tc.repeat_span, cfg.window, gen)
+                pick = follow[torch.randint(0, len(follow), (tc.query_samples // 2,), generator=gen)]
+                idx = torch.cat([idx[:tc.query_samples - len(pick)], pick])
+            qkv = teacher_qkv(model, seq[None])
+            idx = idx.to(next(model.parameters()).device)
             for layer, slot in adapter.slot.items():
                 q, k, v, scale = qkv[layer]
                 err, bal = distill_layer_loss(q, k, v, adapter.centroids[slot], cfg, idx, scale)

@@ -30,10 +30,12 @@ def windows(n: int = 6, length: int = 48, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 96, (n, length), generator=torch.Generator().manual_seed(seed))
 
 
-def run(objective: str = "distill", *, seed: int = 0, steps: int = 3, batch_size: int = 2, **kw) -> FocusAdapter:
+def run(objective: str = "distill", *, seed: int = 0, steps: int = 3, batch_size: int = 2, tc_repeats: int = 0,
+        **kw) -> FocusAdapter:
     model = tiny_llama()
     adapter = FocusAdapter.for_model(model, FOCUS, seed=seed)
-    tc = TrainConfig(objective=objective, steps=steps, batch_size=batch_size, seq_len=48, query_samples=16, seed=seed)
+    tc = TrainConfig(objective=objective, steps=steps, batch_size=batch_size, seq_len=48, query_samples=16, seed=seed,
+                     repeats=tc_repeats, repeat_span=4)
     train(model, adapter, windows(), tc, progress=False, **kw)
     return adapter
 
@@ -234,6 +236,34 @@ def test_config_errors():
         model = tiny_llama()
         train(model, FocusAdapter.for_model(model, FocusConfig(num_groups=60, window=8, sink_tokens=2)),
               windows(length=40), TrainConfig(steps=1, seq_len=40, query_samples=16), progress=False)
+
+
+def test_with_repeats_copies_spans_far_ahead():
+    seq = torch.randint(0, 10**6, (400,), generator=torch.Generator().manual_seed(0))
+    out, follow = T.with_repeats(seq, 4, 12, 64, torch.Generator().manual_seed(3))
+    follow = set(follow.tolist())
+    starts = sorted(f - 1 for f in follow if f - 1 not in follow)
+    assert len(starts) == 4 and len(follow) == 4 * 11
+    inside = torch.zeros(400, dtype=torch.bool)
+    for t in starts:
+        inside[t:t + 12] = True
+        assert follow >= set(range(t + 1, t + 12))
+        assert any(torch.equal(out[t:t + 12], out[s:s + 12]) for s in range(t - 64 - 12 + 1))  # far enough back
+    assert torch.equal(out[~inside], seq[~inside])
+    again, _ = T.with_repeats(seq, 4, 12, 64, torch.Generator().manual_seed(3))
+    assert torch.equal(out, again)
+    with pytest.raises(ValueError, match="do not fit"):
+        T.with_repeats(seq, 40, 12, 64, torch.Generator())
+
+
+def test_repeats_change_what_is_distilled():
+    plain, repeats = run(steps=2), run(steps=2, tc_repeats=2)
+    assert torch.isfinite(repeats.centroids).all()
+    assert not torch.allclose(plain.centroids, repeats.centroids)
+    with pytest.raises(ValueError, match="repeats needs objective='distill'"):
+        TrainConfig(objective="lm", repeats=2)
+    with pytest.raises(ValueError, match="repeats"):
+        TrainConfig(repeats=-1)
 
 
 def test_train_refuses_inputs_it_cannot_learn_from():
