@@ -27,10 +27,13 @@ from focus_flex.attention import (
     attention_weights,
     focus_attention,
     reference_attention,
+    routed,
     soft_attention,
 )
 from focus_flex.config import CONFIG_NAME, WEIGHTS_NAME, FocusConfig
 from focus_flex.decode import KeyIndex
+from focus_flex.plan import token_positions
+from focus_flex.routing import Centering, Rotary
 from focus_flex.threads import small_work
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt2")
@@ -48,6 +51,7 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     full_attention_layers: tuple[int, ...]
+    num_heads: int  # query heads
 
 
 def model_shape(model: nn.Module) -> ModelShape:
@@ -61,14 +65,33 @@ def model_shape(model: nn.Module) -> ModelShape:
                          f"architectures: {', '.join(SUPPORTED_MODEL_TYPES)}.")
     if mtype == "gpt2":
         n_layers, n_heads = cfg.n_layer, cfg.n_head
-        return ModelShape(mtype, n_layers, n_heads, cfg.n_embd // n_heads, tuple(range(n_layers)))
+        return ModelShape(mtype, n_layers, n_heads, cfg.n_embd // n_heads, tuple(range(n_layers)), n_heads)
     n_layers = cfg.num_hidden_layers
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types is None and getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
         layer_types = ["sliding_attention"] * n_layers
     full = tuple(i for i in range(n_layers) if layer_types is None or layer_types[i] == "full_attention")
-    return ModelShape(mtype, n_layers, cfg.num_key_value_heads, head_dim, full)
+    return ModelShape(mtype, n_layers, cfg.num_key_value_heads, head_dim, full, cfg.num_attention_heads)
+
+
+def rotary_of(model: nn.Module) -> Rotary | None:
+    """The rotary encoding of ``model``'s full-attention layers as positions ``[B, L]`` -> cos, sin ``[B, L, D]``
+    (float32), from the model's own rotary module; None for a model without one (GPT-2: positions are added to the
+    embeddings, q and k carry no rotation)."""
+    if model_shape(model).model_type == "gpt2":
+        return None
+    module = next((m for name, m in model.named_modules() if name.split(".")[-1] == "rotary_emb"), None)
+    if module is None:
+        raise ValueError(f"{type(model).__name__} has no rotary_emb module: centered routing (FocusConfig.center) "
+                         "needs the model's rotary encoding to place each head's mean at a token's position.")
+    by_type = "layer_type" in inspect.signature(module.forward).parameters  # e.g. Gemma-3: local and global RoPE
+
+    def rotary(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.empty(0, dtype=torch.float32, device=pos.device)
+        return module(x, pos, "full_attention") if by_type else module(x, pos)
+
+    return rotary
 
 
 class FocusAdapter(nn.Module):
@@ -81,7 +104,8 @@ class FocusAdapter(nn.Module):
     decode through :mod:`focus_flex.cache`) or ``"flash"`` (the CPU kernel).
     """
 
-    def __init__(self, config: FocusConfig, centroids: torch.Tensor | None = None, *, seed: int = 0):
+    def __init__(self, config: FocusConfig, centroids: torch.Tensor | None = None, *, seed: int = 0,
+                 query_means: torch.Tensor | None = None, key_means: torch.Tensor | None = None):
         super().__init__()
         missing = [n for n in ("num_layers", "num_kv_heads", "head_dim") if getattr(config, n) is None]
         if missing or config.layers is None:
@@ -104,6 +128,25 @@ class FocusAdapter(nn.Module):
                              "(did training diverge?); retrain, or load an earlier checkpoint.")
         self.centroids = nn.Parameter(centroids.detach().float().clone())
         self.slot = {layer: i for i, layer in enumerate(config.layers)}
+        # Centered routing: each head's mean query and key before the rotary encoding (zeros until calibrated).
+        if config.center and config.num_query_heads is None:
+            raise ValueError("FocusConfig.center needs num_query_heads (the model shape): build the adapter with "
+                             "FocusAdapter.for_model(model, config).")
+        for name, given, heads in (("query_means", query_means, config.num_query_heads),
+                                   ("key_means", key_means, config.num_kv_heads)):
+            if not config.center:
+                if given is not None:
+                    raise ValueError(f"{name} given but config.center is false: set center=True to route with them.")
+                self.register_buffer(name, None)
+                continue
+            expected = (len(config.layers), heads, config.head_dim)
+            if given is None:
+                given = torch.zeros(expected)
+            elif tuple(given.shape) != expected or not given.is_floating_point() or not bool(given.isfinite().all()):
+                raise ValueError(f"{name} must be finite floats of shape {expected} = [layers, heads, head dim]; got "
+                                 f"{given.dtype} {tuple(given.shape)}")
+            self.register_buffer(name, given.detach().float().clone())
+        self._rotary: Rotary | None = None
         self._mode = "fast"
         self._kernel: str | None = None
         self._attached: list[tuple[weakref.ref, list]] = []  # (model, its hooks)
@@ -155,6 +198,7 @@ class FocusAdapter(nn.Module):
             raise ValueError(f"{shape.model_type} model has no full-attention layer for Focus to replace{hint}.")
         config.layers, config.num_layers = layers, shape.num_layers
         config.num_kv_heads, config.head_dim, config.model_type = shape.num_kv_heads, shape.head_dim, shape.model_type
+        config.num_query_heads = shape.num_heads
         config.base_model = config.base_model or getattr(model, "name_or_path", None) or None
         config.validate()
         return cls(config, seed=seed).to(next(model.parameters()).device)
@@ -170,6 +214,8 @@ class FocusAdapter(nn.Module):
             problems.append(f"{c.num_kv_heads} KV heads vs the model's {shape.num_kv_heads}")
         if c.head_dim != shape.head_dim:
             problems.append(f"head dim {c.head_dim} vs the model's {shape.head_dim}")
+        if c.center and c.num_query_heads != shape.num_heads:
+            problems.append(f"query means of {c.num_query_heads} query heads vs the model's {shape.num_heads}")
         if c.model_type is not None and c.model_type != shape.model_type:
             problems.append(f"trained for a {c.model_type!r} model, this is {shape.model_type!r}")
         bad = sorted(set(c.layers) - set(shape.full_attention_layers))
@@ -193,6 +239,7 @@ class FocusAdapter(nn.Module):
             raise RuntimeError("A Focus adapter is already attached to this model; detach it first.")
         register()
         self.to(next(model.parameters()).device)
+        self._rotary = rotary_of(model) if self.config.center else None
         hooks = []
         for module in _attention_modules(model):
             module._focus = _FocusState(weakref.ref(self), self.slot.get(module.layer_idx))
@@ -220,6 +267,8 @@ class FocusAdapter(nn.Module):
                 del model.create_masks_for_generate
                 del self._attached[i]
                 self._key_index.clear()
+                if not self._attached:
+                    self._rotary = None
                 return model
         raise ValueError("This adapter is not attached to that model.")
 
@@ -275,17 +324,39 @@ class FocusAdapter(nn.Module):
         c = self.config
         c.validate()
         shape = (len(c.layers), c.num_kv_heads, c.num_groups, c.head_dim)
-        if shape != tuple(self.centroids.shape) or c.layers != list(self.slot):
+        centered = self.key_means is not None
+        if shape != tuple(self.centroids.shape) or c.layers != list(self.slot) or c.center != centered:
             raise ValueError(f"adapter.config describes centroids {shape} on layers {c.layers}, but the adapter holds "
                              f"{tuple(self.centroids.shape)} on layers {list(self.slot)}: on an adapter only the "
                              "routing may change (query_top_k, key_top_k, window, sink_tokens, tau); for other "
-                             "groups or layers build a new one (FocusAdapter.for_model).")
+                             "groups, layers or centering build a new one (FocusAdapter.for_model).")
 
     def _exit(self, module, args, output):
         self._active_cache = None
 
     # ---- the attention call ------------------------------------------------------------------
-    def key_index(self, slot: int, key: torch.Tensor) -> KeyIndex | None:
+    def centering(self, slot: int) -> Centering | None:
+        """How the layer in ``slot`` centers what it routes (None: ``config.center`` is off), with the rotary encoding
+        of the model the adapter is attached to (for another model: ``Centering(adapter.query_means[slot],
+        adapter.key_means[slot], rotary_of(model))``)."""
+        if not self.config.center:
+            return None
+        if self.query_means is None:
+            raise ValueError("adapter.config.center is true but this adapter holds no query/key means: centering "
+                             "is chosen when an adapter is built (FocusConfig(center=True) in FocusAdapter.for_model).")
+        if not self._attached:
+            raise RuntimeError("Centered routing needs the rotary encoding of the model: attach the adapter first.")
+        return Centering(self.query_means[slot], self.key_means[slot], self._rotary)
+
+    def routed(self, slot: int, query: torch.Tensor, key: torch.Tensor,
+               padding: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The vectors the layer in ``slot`` routes for its post-RoPE query ``[B, Hq, Lq, D]`` and key
+        ``[B, Hkv, Lk, D]`` (padding ``[B, Lk]``): themselves, or centered (:meth:`centering`)."""
+        valid = torch.ones(key.shape[0], key.shape[2], dtype=torch.bool, device=key.device) if padding is None \
+            else padding.to(key.device, torch.bool)
+        return routed(query, key, valid, self.centering(slot))
+
+    def key_index(self, slot: int, key: torch.Tensor, padding: torch.Tensor | None = None) -> KeyIndex | None:
         """Key routing of a KV cache layer's keys ``[B, Hkv, Lk, D]``, kept up to date step by step.
 
         The index of the active cache grows by the keys appended since the last call (O(new keys)); a different
@@ -294,13 +365,19 @@ class FocusAdapter(nn.Module):
         cache = self._active_cache() if self._active_cache is not None else None
         if cache is None:
             return None
-        cent, c = self.centroids[slot].detach(), self.config
-        routed_by = (c.num_groups, c.key_top_k, _version(self.centroids))
+        cent, c, centering = self.centroids[slot].detach(), self.config, self.centering(slot)
+        routed_by = (c.num_groups, c.key_top_k, _version(self.centroids), c.center,
+                     None if self.key_means is None else _version(self.key_means))
         entry = self._key_index.get(slot)
         index = entry.index if entry is not None and entry.routed_by == routed_by else None
         if index is None or index.length > key.shape[2] or key.shape[:2] != index.shape[:2]:
             index = KeyIndex(key.shape[0], key.shape[1], c.num_groups, key.device)
-        index.extend(key[:, :, index.length:], cent, c)
+        new = key[:, :, index.length:]
+        if centering is not None:  # the new keys' token positions
+            pos = torch.arange(index.length, key.shape[2], device=key.device).expand(key.shape[0], -1) \
+                if padding is None else token_positions(padding.to(key.device, torch.bool))[:, index.length:]
+            new = centering.keys(new, pos)
+        index.extend(new, cent, c)
         self._key_index[slot] = _Indexed(weakref.ref(cache), index, weakref.ref(key), _version(key), routed_by)
         return index
 
@@ -309,7 +386,7 @@ class FocusAdapter(nn.Module):
         """Focus attention for one layer: ``[B, Hq, Lq, D]`` q and ``[B, Hkv, Lk, D]`` k/v -> ``[B, Hq, Lq, D]``.
         ``cache_layer``: the KV cache's layer that returned k/v (a Focus cache layer, :mod:`focus_flex.cache`, is the
         one with a ``focus_attention`` method)."""
-        cent, c = self.centroids[slot], self.config
+        cent, c, centering = self.centroids[slot], self.config, self.centering(slot)
         focus_layer = getattr(cache_layer, "focus_attention", None) is not None
         if type(cache_layer).__name__ == "StaticLayer":
             raise ValueError("A static KV cache reached Focus attention without its Focus state: a static cache's "
@@ -321,27 +398,34 @@ class FocusAdapter(nn.Module):
             key, value = key[:, :, :length], value[:, :, :length]
             padding = None if padding is None else padding[:, :length]
         if self.mode == "soft":
-            return soft_attention(query, key, value, cent, c, attention_mask=padding, scale=scaling)
+            return soft_attention(query, key, value, cent, c, attention_mask=padding, scale=scaling,
+                                  centering=centering)
         if module.training and torch.is_grad_enabled() and cent.requires_grad:
             raise ValueError(f"adapter.mode={self.mode!r} routes by hard top-k, which gives the centroids no "
                              "gradient, and the model is in training mode: set adapter.mode = 'soft' to train them; "
                              "for inference call model.eval() or use torch.no_grad(); to train something else with "
                              "Focus on, freeze them (adapter.requires_grad_(False)).")
         if self.mode == "reference":
-            return reference_attention(query, key, value, cent.detach(), c, attention_mask=padding, scale=scaling)
+            return reference_attention(query, key, value, cent.detach(), c, attention_mask=padding, scale=scaling,
+                                       centering=centering)
         if focus_layer:
-            return cache_layer.focus_attention(query, key, value, cent.detach(), c, padding, scaling, self.kernel)
+            return cache_layer.focus_attention(query, key, value, cent.detach(), c, padding, scaling, self.kernel,
+                                               centering)
         with small_work(query.device) if query.shape[2] <= DECODE_MAX_QUERIES else contextlib.nullcontext():
             return focus_attention(query, key, value, cent.detach(), c, attention_mask=padding, scale=scaling,
-                                   key_index=self.key_index(slot, key), kernel=self.kernel)
+                                   key_index=self.key_index(slot, key, padding), kernel=self.kernel,
+                                   centering=centering)
 
     # ---- files -------------------------------------------------------------------------------
     def save_pretrained(self, directory: str | os.PathLike) -> str:
         """Write ``focus_config.json`` and ``focus_adapter.safetensors`` into ``directory``."""
         os.makedirs(directory, exist_ok=True)
         self.config.save_pretrained(directory)
-        save_file({"centroids": self.centroids.detach().cpu().contiguous()}, os.path.join(directory, WEIGHTS_NAME),
-                  metadata={"format": "pt", "library": "focus_flex"})
+        tensors = {"centroids": self.centroids}
+        if self.config.center:
+            tensors.update(query_means=self.query_means, key_means=self.key_means)
+        save_file({name: t.detach().cpu().contiguous() for name, t in tensors.items()},
+                  os.path.join(directory, WEIGHTS_NAME), metadata={"format": "pt", "library": "focus_flex"})
         return str(directory)
 
     @classmethod
@@ -363,10 +447,13 @@ class FocusAdapter(nn.Module):
         except (SafetensorError, OSError, ValueError) as e:
             raise ValueError(f"{path} is not a readable safetensors file ({e}): the file is corrupt or truncated; "
                              f"re-download or re-save the adapter.") from e
-        if set(tensors) != {"centroids"}:
-            raise ValueError(f"{path} holds tensors {sorted(tensors)}; a Focus adapter holds exactly 'centroids'.")
+        expected = {"centroids", "query_means", "key_means"} if config.center else {"centroids"}
+        if set(tensors) != expected:
+            raise ValueError(f"{path} holds tensors {sorted(tensors)}; a Focus adapter with center={config.center} "
+                             f"holds exactly {sorted(expected)}.")
         try:
-            return cls(config, tensors["centroids"])
+            return cls(config, tensors["centroids"], query_means=tensors.get("query_means"),
+                       key_means=tensors.get("key_means"))
         except ValueError as e:
             raise ValueError(f"{directory!r}: {e}") from e
 
@@ -565,7 +652,7 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
             raise ValueError("output_attentions=True: the soft path's weights are not returned; set adapter.mode = "
                              "'fast' or 'reference' for the hard pattern's attention weights.")
         weights = attention_weights(query, key, adapter.centroids[state.slot].detach(), adapter.config,
-                                    attention_mask=padding, scale=scaling)
+                                    attention_mask=padding, scale=scaling, centering=adapter.centering(state.slot))
     return out.transpose(1, 2).contiguous(), weights
 
 

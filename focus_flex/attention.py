@@ -69,6 +69,16 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: t
     return attention_mask.to(device=k.device, dtype=torch.bool)
 
 
+def routed(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor,
+           centering: routing.Centering | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The vectors routing reads for q ``[B, Hq, Lq, D]`` and k ``[B, Hkv, Lk, D]``: q and k themselves, or with
+    :class:`~focus_flex.routing.Centering` their mean-removed vectors at their token positions (``valid [B, Lk]``)."""
+    if centering is None:
+        return q, k
+    pos = token_positions(valid)
+    return centering.queries(q, pos[:, k.shape[2] - q.shape[2]:]), centering.keys(k, pos)
+
+
 def groups_from_membership(member: torch.Tensor, k: int, num_groups: int) -> torch.Tensor:
     """Inverse of :func:`routing.membership`: bitmask ``[...]`` -> the k group ids ``[..., k]``."""
     return routing.member_bits(member, num_groups).topk(k, dim=-1).indices
@@ -82,18 +92,20 @@ def near_pairs(q_pos: torch.Tensor, k_pos: torch.Tensor, config: FocusConfig) ->
 
 def focus_pattern(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, config: FocusConfig, *,
                   attention_mask: torch.Tensor | None = None, q_member: torch.Tensor | None = None,
-                  k_member: torch.Tensor | None = None) -> torch.Tensor:
+                  k_member: torch.Tensor | None = None, centering: routing.Centering | None = None) -> torch.Tensor:
     """The Focus pattern as a dense bool ``[B, Hq, Lq, Lk]`` (docs/design.md, "The semantics"). O(Lq * Lk).
 
     Query i may attend key j iff j <= i, both are real tokens, and
-    ``pos_i - pos_j < window or pos_j < sink_tokens or groups(q_i) ∩ groups(k_j) ≠ ∅``.
+    ``pos_i - pos_j < window or pos_j < sink_tokens or groups(q_i) ∩ groups(k_j) ≠ ∅``; with ``centering`` the groups
+    are those of the mean-removed vectors (:class:`~focus_flex.routing.Centering`).
     """
     valid = check_inputs(q, k, k, centroids, config, attention_mask)
     lq, lk, hq = q.shape[2], k.shape[2], q.shape[1]
+    q_route, k_route = routed(q, k, valid, centering)
     if q_member is None:
-        q_member = routing.hard_membership(q, centroids, config.query_top_k)
+        q_member = routing.hard_membership(q_route, centroids, config.query_top_k)
     if k_member is None:
-        k_member = routing.hard_membership(k, centroids, config.key_top_k)
+        k_member = routing.hard_membership(k_route, centroids, config.key_top_k)
     k_member = k_member.repeat_interleave(hq // k.shape[1], dim=1)
     pos = token_positions(valid)
     q_pos, q_valid = pos[:, lk - lq:], valid[:, lk - lq:]
@@ -106,18 +118,19 @@ def focus_pattern(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, con
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
                         config: FocusConfig, *, attention_mask: torch.Tensor | None = None,
-                        scale: float | None = None) -> torch.Tensor:
+                        scale: float | None = None, centering: routing.Centering | None = None) -> torch.Tensor:
     """The oracle: SDPA with the dense :func:`focus_pattern` as its mask. Returns ``[B, Hq, Lq, D]``."""
-    mask = focus_pattern(q, k, centroids, config, attention_mask=attention_mask)
+    mask = focus_pattern(q, k, centroids, config, attention_mask=attention_mask, centering=centering)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
 
 
 def attention_weights(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, config: FocusConfig, *,
-                      attention_mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+                      attention_mask: torch.Tensor | None = None, scale: float | None = None,
+                      centering: routing.Centering | None = None) -> torch.Tensor:
     """The attention probabilities of the hard pattern, ``[B, Hq, Lq, Lk]`` (what ``output_attentions=True`` returns):
     the softmax of the scaled scores over the keys :func:`focus_pattern` allows, 0 elsewhere. Dense, O(Lq * Lk)."""
-    mask = focus_pattern(q, k, centroids, config, attention_mask=attention_mask)
+    mask = focus_pattern(q, k, centroids, config, attention_mask=attention_mask, centering=centering)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     keys = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     scores = (q.float() @ keys.float().transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
@@ -126,7 +139,7 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor,
 
 def soft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
                    config: FocusConfig, *, attention_mask: torch.Tensor | None = None,
-                   scale: float | None = None) -> torch.Tensor:
+                   scale: float | None = None, centering: routing.Centering | None = None) -> torch.Tensor:
     """Training path: differentiable in the centroids, dense (fine up to a few thousand tokens).
 
     Local and sink pairs get no bias; a far pair (i, j) gets ``log min(1, sum_g a_ig b_jg)`` with
@@ -137,8 +150,9 @@ def soft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids:
     valid = check_inputs(q, k, v, centroids, config, attention_mask)
     b, hq, lq, _ = q.shape
     lk = k.shape[2]
-    a = routing.soft_membership(routing.scores(q, centroids, config.tau), config.query_top_k)
-    kb = routing.soft_membership(routing.scores(k, centroids, config.tau), config.key_top_k)
+    q_route, k_route = routed(q, k, valid, centering)
+    a = routing.soft_membership(routing.scores(q_route, centroids, config.tau), config.query_top_k)
+    kb = routing.soft_membership(routing.scores(k_route, centroids, config.tau), config.key_top_k)
     kb = kb.repeat_interleave(hq // k.shape[1], dim=1)
     overlap = torch.einsum("bhqg,bhkg->bhqk", a, kb).clamp(1e-6, 1.0)
     pos = token_positions(valid)
@@ -365,7 +379,7 @@ def plan_attention(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, co
 
 
 def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor, config: FocusConfig,
-                 valid: torch.Tensor, scale: float) -> torch.Tensor:
+                 valid: torch.Tensor, scale: float, centering: routing.Centering | None = None) -> torch.Tensor:
     """Focus attention as two FlexAttention calls over all heads, merged: ``[B, Hq, Lq, D]``.
 
     Routing, the plan, both calls and the merge are tensor ops with shapes fixed by (batch, heads, length bucket):
@@ -376,7 +390,7 @@ def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: t
     lq, lk = q.shape[2], k.shape[2]
     # Eagerly on CPU, everything but the two kernels is many small ops: one thread (in a trace: the caller's threads).
     with contextlib.nullcontext() if torch.compiler.is_compiling() else small_work(q.device):
-        plan = plan_attention(q, k, centroids, config, valid=valid)
+        plan = plan_attention(*routed(q, k, valid, centering), centroids, config, valid=valid)
         local = local_part(q, k, v, valid, plan.local, config, scale)
         far = far_part(q, k, v, plan.far, local.lse, plan.local.offset, scale)
         rows = F.pad(valid[:, lk - lq:], (plan.local.offset, plan.local.q_len - plan.local.offset - lq))
@@ -388,7 +402,7 @@ def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: t
 
 def _few_queries_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
                            config: FocusConfig, valid: torch.Tensor, k_member: torch.Tensor | None,
-                           scale: float) -> torch.Tensor:
+                           scale: float, centering: routing.Centering | None) -> torch.Tensor:
     """Decode (few queries): each query attends only its allowed keys, gathered. Exact; O(Hq Lq Lk) bit tests.
 
     Query rows are grouped by KV head: the keys any of them needs are gathered once, and each row masks the rest.
@@ -396,10 +410,12 @@ def _few_queries_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ce
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     rows = hq // hkv * lq  # query rows per KV head, ordered (head in group, query)
-    if k_member is None:
-        k_member = routing.hard_membership(k, centroids, config.key_top_k)
-    q_member = routing.hard_membership(q, centroids, config.query_top_k).reshape(b, hkv, rows)
     pos = token_positions(valid)
+    if k_member is None:
+        k_route = k if centering is None else centering.keys(k, pos)
+        k_member = routing.hard_membership(k_route, centroids, config.key_top_k)
+    q_route = q if centering is None else centering.queries(q, pos[:, lk - lq:])
+    q_member = routing.hard_membership(q_route, centroids, config.query_top_k).reshape(b, hkv, rows)
     q_pos, q_valid = pos[:, lk - lq:], valid[:, lk - lq:]
     j = torch.arange(lk, device=k.device)
     causal = j <= (j[lk - lq:, None])  # [Lq, Lk]
@@ -434,8 +450,9 @@ def default_kernel(device: torch.device, config: FocusConfig) -> str:
 
 def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
                     config: FocusConfig, *, attention_mask: torch.Tensor | None = None, scale: float | None = None,
-                    key_index: KeyIndex | None = None, kernel: str | None = None) -> torch.Tensor:
-    """The fast path: same result as :func:`reference_attention`.
+                    key_index: KeyIndex | None = None, kernel: str | None = None,
+                    centering: routing.Centering | None = None) -> torch.Tensor:
+    """The fast path: same result as :func:`reference_attention` (with the same ``centering``).
 
     Prefill: a local part (window + sinks, tokens in order) and a far part (copies sorted by group), merged exactly
     through their log-sum-exps. ``kernel`` runs them as two block-sparse FlexAttention calls over all heads
@@ -446,7 +463,8 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
     Decode (Lq <= 16) otherwise gathers the allowed keys (window + sinks + same-group keys): ``key_index``
     (:class:`~focus_flex.decode.KeyIndex`) is the key routing a KV cache already computed for exactly these keys;
     with it and no padding, decode reads its per-group key lists and costs O(selected keys); otherwise decode is
-    O(Lk). Decode with a KV cache on the device path is :mod:`focus_flex.cache`. The CPU decode, the flash kernel
+    O(Lk); a ``key_index`` must have routed its keys with the same ``centering``. Decode with a KV cache on the device
+    path is :mod:`focus_flex.cache`. The CPU decode, the flash kernel
     and gradients run outside any ``torch.compile`` graph (one graph break).
     Gradients reach q, k and v (not the centroids: hard routing) and are exact, at dense cost: the kernels
     merge through log-sum-exps that carry none, so the backward differentiates :func:`reference_attention`.
@@ -461,18 +479,20 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
     flex = (kernel or default_kernel(q.device, config)) == "flex"
     if flex and not grad and q.dim() == 4 and (key_index is None or q.shape[2] > DECODE_MAX_QUERIES):  # traceable
         valid = check_inputs(q, k, v, centroids, config, attention_mask)
-        return flex_prefill(q, k, v, centroids, config, valid, q.shape[-1] ** -0.5 if scale is None else scale)
-    return _host_attention(q, k, v, centroids, config, attention_mask, scale, key_index, kernel)
+        return flex_prefill(q, k, v, centroids, config, valid, q.shape[-1] ** -0.5 if scale is None else scale,
+                            centering)
+    return _host_attention(q, k, v, centroids, config, attention_mask, scale, key_index, kernel, centering)
 
 
 @torch.compiler.disable(reason="the flash kernel, decode's host-side key index and gradients: one graph break; the "
                                 "rest of a compiled model stays compiled")
 def _host_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor, config: FocusConfig,
                     attention_mask: torch.Tensor | None, scale: float | None, key_index: KeyIndex | None,
-                    kernel: str | None) -> torch.Tensor:
+                    kernel: str | None, centering: routing.Centering | None) -> torch.Tensor:
     """:func:`focus_attention` for everything but the flex prefill: gradients, decode, the flash kernel."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _ReferenceGradients.apply(q, k, v, centroids.detach(), config, attention_mask, scale, key_index, kernel)
+        return _ReferenceGradients.apply(q, k, v, centroids.detach(), config, attention_mask, scale, key_index, kernel,
+                                         centering)
     valid = check_inputs(q, k, v, centroids, config, attention_mask)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     lq = q.shape[2]
@@ -480,15 +500,23 @@ def _host_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
         raise ValueError(f"kernel='flash' needs CPU tensors (got {q.device.type}) and top-k 1 for queries or keys "
                          f"(got {config.query_top_k} and {config.key_top_k}); use kernel='flex'")
     if lq <= DECODE_MAX_QUERIES and key_index is not None and (attention_mask is None or bool(valid.all())):
+        q_pos = torch.arange(k.shape[2] - lq, k.shape[2], device=q.device).expand(q.shape[0], -1)
+        q_route = q if centering is None else centering.queries(q, q_pos)
         with small_work(q.device):
-            return indexed_attention(q, k, v, centroids, config, key_index, scale, outer())
+            return indexed_attention(q, k, v, centroids, config, key_index, scale, outer(), q_route)
     k_member = None if key_index is None else key_index.member
     if lq <= DECODE_MAX_QUERIES:
         with small_work(q.device):
-            return _few_queries_attention(q, k, v, centroids, config, valid, k_member, scale)
-    # Key routing a KV cache already did; else the kernel routes the keys itself.
+            return _few_queries_attention(q, k, v, centroids, config, valid, k_member, scale, centering)
+    # Key routing a KV cache already did; else the kernel routes the keys itself (centered: routed here).
     k_groups = None if k_member is None else groups_from_membership(k_member, config.key_top_k, config.num_groups)
-    return flash.flash_attention(q, k, v, centroids, k_groups, valid, config, scale)
+    q_groups = None
+    if centering is not None:
+        q_route, k_route = routed(q, k, valid, centering)
+        q_groups = routing.hard_groups(q_route, centroids, config.query_top_k)
+        if k_groups is None:
+            k_groups = routing.hard_groups(k_route, centroids, config.key_top_k)
+    return flash.flash_attention(q, k, v, centroids, k_groups, valid, config, scale, q_groups)
 
 
 class _ReferenceGradients(torch.autograd.Function):
@@ -496,21 +524,22 @@ class _ReferenceGradients(torch.autograd.Function):
     the fast kernels' log-sum-exps carry no gradient)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, centroids, config, attention_mask, scale, key_index, kernel):
+    def forward(ctx, q, k, v, centroids, config, attention_mask, scale, key_index, kernel, centering):
         ctx.save_for_backward(q, k, v, centroids, attention_mask)
-        ctx.config, ctx.scale = config, scale
+        ctx.config, ctx.scale, ctx.centering = config, scale, centering
         return focus_attention(q, k, v, centroids, config, attention_mask=attention_mask, scale=scale,
-                               key_index=key_index, kernel=kernel)
+                               key_index=key_index, kernel=kernel, centering=centering)
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, centroids, attention_mask = ctx.saved_tensors
         inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3], strict=True)]
         with torch.enable_grad():
-            out = reference_attention(*inputs, centroids, ctx.config, attention_mask=attention_mask, scale=ctx.scale)
+            out = reference_attention(*inputs, centroids, ctx.config, attention_mask=attention_mask, scale=ctx.scale,
+                                      centering=ctx.centering)
             wanted = [t for t in inputs if t.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad))
-        return (*(next(grads) if t.requires_grad else None for t in inputs), *[None] * 6)
+        return (*(next(grads) if t.requires_grad else None for t in inputs), *[None] * 7)
 
 
 def causal_blocks(n: int, block_size: int) -> float:

@@ -16,15 +16,16 @@ from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
 from focus_flex import attention
 from focus_flex.config import FocusConfig
-from focus_flex.plan import route
+from focus_flex.plan import route, token_positions
 from focus_flex.pool import GroupPool
+from focus_flex.routing import Centering
 
 
 def _focus_attention(layer: FocusStaticLayer | FocusDynamicLayer, q: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor, centroids: torch.Tensor, config: FocusConfig, padding: torch.Tensor | None,
-                     scale: float | None, kernel: str | None) -> torch.Tensor:
+                     scale: float | None, kernel: str | None, centering: Centering | None = None) -> torch.Tensor:
     """A Focus cache layer's attention of the new queries, through its pool: :func:`cached_attention`."""
-    return cached_attention(layer, q, k, v, centroids, config, padding, scale, kernel)
+    return cached_attention(layer, q, k, v, centroids, config, padding, scale, kernel, centering)
 
 
 class FocusStaticLayer(StaticLayer):
@@ -108,11 +109,12 @@ _CAPACITY_SLACK = 1.5  # a dynamic layer's pool holds this many times the tokens
 
 def cached_attention(layer: FocusStaticLayer | FocusDynamicLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      centroids: torch.Tensor, config: FocusConfig, padding: torch.Tensor | None, scale: float | None,
-                     kernel: str | None) -> torch.Tensor:
+                     kernel: str | None, centering: Centering | None = None) -> torch.Tensor:
     """Focus attention of the new queries ``[B, Hq, Lq, D]`` through a Focus cache layer whose ``update`` has just
     returned ``k``/``v`` (the whole buffer of a static layer, ``[B, Hkv, max_cache_len, D]``). The new keys go into
     the layer's pool; one query per row (a decode step) attends through it (:meth:`GroupPool.attend`); more (a
-    prefill) run :func:`~focus_flex.attention.focus_attention` on the cache's tokens with ``kernel``.
+    prefill) run :func:`~focus_flex.attention.focus_attention` on the cache's tokens with ``kernel``. ``centering``:
+    route mean-removed vectors (:class:`~focus_flex.routing.Centering`).
     """
     b, hq, lq, d = q.shape
     dev, static = q.device, isinstance(layer, FocusStaticLayer)
@@ -128,22 +130,33 @@ def cached_attention(layer: FocusStaticLayer | FocusDynamicLayer, q: torch.Tenso
             return torch.ones(b, n, dtype=torch.bool, device=dev)
         return valid.index_select(1, index) if isinstance(index, torch.Tensor) else valid[:, index]
 
+    def keys_route(x: torch.Tensor, index: torch.Tensor | slice) -> torch.Tensor:  # what routing reads for these keys
+        if centering is None:
+            return x
+        slots = torch.arange(k.shape[2], device=dev)
+        pos = (slots.expand(b, -1) if valid is None else token_positions(valid[:, :k.shape[2]]))
+        return centering.keys(x, pos.index_select(1, index) if isinstance(index, torch.Tensor) else pos[:, index])
+
     pool = layer.pool
     if pool is None or (not static and k.shape[2] > pool.capacity):
         capacity = layer.max_cache_len if static else int(k.shape[2] * _CAPACITY_SLACK) + config.block_size
         pool = layer.pool = GroupPool(b, k.shape[1], d, v.shape[-1], capacity, config, k.dtype, dev)
         before = int(end) - lq if static else k.shape[2] - lq  # tokens cached before this call (host read: once)
         if before:
-            pool.append(k[:, :, :before], v[:, :, :before], route(k[:, :, :before], centroids, config.key_top_k),
+            pool.append(k[:, :, :before], v[:, :, :before],
+                        route(keys_route(k[:, :, :before], slice(0, before)), centroids, config.key_top_k),
                         real(slice(0, before)))
     if static:
+        where: torch.Tensor | slice = new
         k_new, v_new, valid_new = k.index_select(2, new), v.index_select(2, new), real(new)
     else:
-        k_new, v_new, valid_new = k[:, :, -lq:], v[:, :, -lq:], real(slice(-lq, None))
-    pos = pool.append(k_new, v_new, route(k_new, centroids, config.key_top_k), valid_new)
+        where = slice(k.shape[2] - lq, None)
+        k_new, v_new, valid_new = k[:, :, -lq:], v[:, :, -lq:], real(where)
+    pos = pool.append(k_new, v_new, route(keys_route(k_new, where), centroids, config.key_top_k), valid_new)
     if lq == 1:
-        return pool.attend(q, centroids, pos[:, 0], scale)
+        q_route = q if centering is None else centering.queries(q, pos.clamp_min(0))
+        return pool.attend(q, centroids, pos[:, 0], scale, q_route)
     length = int(end) if static else k.shape[2]  # a prefill reads the tokens in order (host read: once per call)
     return attention.focus_attention(q, k[:, :, :length], v[:, :, :length], centroids, config,
                                      attention_mask=None if valid is None else valid[:, :length], scale=scale,
-                                     kernel=kernel)
+                                     kernel=kernel, centering=centering)

@@ -31,7 +31,9 @@ class FocusConfig:
 
     Attention semantics (docs/design.md, "The semantics"): query i may attend key j iff j <= i and
     ``(pos_i - pos_j < window) or (pos_j < sink_tokens) or groups(q_i) ∩ groups(k_j) ≠ ∅``,
-    where positions count non-padded tokens and groups are the top-k centroids by cosine score.
+    where positions count non-padded tokens and groups are the top-k centroids by cosine score. With ``center``,
+    a vector is routed with its head's mean (before the rotary encoding, rotated to its position) removed
+    (:class:`focus_flex.routing.Centering`); the adapter then also holds those means.
     """
 
     num_groups: int = 16
@@ -43,9 +45,11 @@ class FocusConfig:
     block_size: int = 64  # tile of the flex kernel's block masks: speed only, never the pattern (docs/speed.md)
     layers: list[int] | None = None  # None: every full-attention layer of the model
     sinkhorn_iters: int = 3
+    center: bool = False  # route mean-removed queries and keys (the means are part of the adapter)
     # Shape of the model the centroids belong to (filled in by `FocusAdapter.for_model`).
     num_layers: int | None = None
     num_kv_heads: int | None = None
+    num_query_heads: int | None = None
     head_dim: int | None = None
     base_model: str | None = None
     base_model_revision: str | None = None
@@ -85,7 +89,8 @@ class FocusConfig:
             if self.num_layers is not None:
                 need(all(i < self.num_layers for i in self.layers),
                      f"layers={self.layers} has indices >= num_layers={self.num_layers}")
-        for name in ("num_layers", "num_kv_heads", "head_dim"):
+        need(isinstance(self.center, bool), f"center={self.center!r} must be true or false")
+        for name in ("num_layers", "num_kv_heads", "num_query_heads", "head_dim"):
             v = getattr(self, name)
             need(v is None or (is_int(v) and v >= 1), f"{name}={v!r} must be None or an int >= 1")
 

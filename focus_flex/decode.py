@@ -191,7 +191,8 @@ def _sampled_scores(q_rows: torch.Tensor, keys: torch.Tensor, rows: np.ndarray, 
 
 
 def _one_group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
-                         config: FocusConfig, index: KeyIndex, scale: float, threads: int) -> torch.Tensor:
+                         config: FocusConfig, index: KeyIndex, scale: float, threads: int,
+                         q_route: torch.Tensor) -> torch.Tensor:
     """:func:`indexed_attention` for one query with top-1 query routing (a default decode step).
 
     Each query row's keys are then its sinks and window plus the far part of exactly one group list, with no
@@ -204,7 +205,7 @@ def _one_group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cent
     """
     b, hq, _, d = q.shape
     hkv, rep, dev = k.shape[1], hq // k.shape[1], q.device
-    s, groups = config.sink_tokens, routing.hard_groups(q, centroids, 1)
+    s, groups = config.sink_tokens, routing.hard_groups(q_route, centroids, 1)
     if native.applies(k, v) and native.library() is not None:  # the same step, fused in C (it knows the local keys)
         # One thread unless a row reads many keys: waking a second thread costs up to milliseconds when another
         # process holds the core, more than a step's work on one.
@@ -270,7 +271,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
 
 
 def indexed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
-                      config: FocusConfig, index: KeyIndex, scale: float, threads: int = 1) -> torch.Tensor:
+                      config: FocusConfig, index: KeyIndex, scale: float, threads: int = 1,
+                      q_route: torch.Tensor | None = None) -> torch.Tensor:
     """Few queries (the last Lq of Lk keys, no padding) against sinks + window + their groups' far keys.
 
     q ``[B, Hq, Lq, D]``, k/v ``[B, Hkv, Lk, D]`` with ``index`` routing exactly those Lk keys. Per (batch row, KV
@@ -279,15 +281,16 @@ def indexed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroi
     They are gathered once for all these rows, and each row masks the rest with the Focus rule; the softmax runs in
     float32; the gathers use ``threads`` intra-op threads. Returns ``[B, Hq, Lq, D]``. O(rows x candidates) work,
     none of it proportional to Lk. One query with top-1 query routing (the default decode step) needs no mask: see
-    :func:`_one_group_attention`.
+    :func:`_one_group_attention`. ``q_route``: the vectors routed in place of q (centered routing; None: q).
     """
     b, hq, lq, d = q.shape
+    q_route = q if q_route is None else q_route
     if lq == 1 and config.query_top_k == 1:
-        return _one_group_attention(q, k, v, centroids, config, index, scale, threads)
+        return _one_group_attention(q, k, v, centroids, config, index, scale, threads, q_route)
     hkv, lk = k.shape[1], k.shape[2]
     rows = hq // hkv * lq  # query rows per KV head, ordered (head in group, query)
     s, w, dev = config.sink_tokens, config.window, k.device
-    q_member = routing.hard_membership(q, centroids, config.query_top_k).reshape(b, hkv, rows)
+    q_member = routing.hard_membership(q_route, centroids, config.query_top_k).reshape(b, hkv, rows)
     local_np, end = _local(lk, lq, config)
     local = _to(local_np, dev)
     q_pos = torch.arange(lk - lq, lk, device=dev).repeat(rows // lq)[:, None]  # [rows, 1]

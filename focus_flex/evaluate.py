@@ -179,8 +179,9 @@ class RoutingMeter:
 
     @torch.no_grad()
     def __call__(self, adapter: FocusAdapter, args: tuple, output: Any) -> None:
-        _, slot, query, key = args[:4]
+        _, slot, query, key, _, padding = args[:6]
         c, cfg = adapter.centroids[slot].detach(), adapter.config
+        query, key = adapter.routed(slot, query, key, padding)
         qm = routing.hard_membership(query, c, cfg.query_top_k)
         km = routing.hard_membership(key, c, cfg.key_top_k)
         far = far_pairs_by_distance(qm, km, cfg.sink_tokens)

@@ -236,10 +236,11 @@ def _merge_into(out: torch.Tensor, out_rows: torch.Tensor, lse: torch.Tensor, ls
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
                     k_groups: torch.Tensor | None, valid: torch.Tensor, config: FocusConfig,
-                    scale: float) -> torch.Tensor:
+                    scale: float, q_groups: torch.Tensor | None = None) -> torch.Tensor:
     """Focus prefill on CPU. q ``[B, Hq, Lq, D]``, k/v ``[B, Hkv, Lk, D]``, centroids ``[Hkv, G, D]``, valid
-    ``[B, Lk]`` (real tokens); ``k_groups`` ``[B, Hkv, Lk, top-k]`` is the key routing a KV cache already did (None:
-    route the keys here). Exact: the result of :func:`focus_flex.attention.reference_attention`.
+    ``[B, Lk]`` (real tokens); ``k_groups`` ``[B, Hkv, Lk, top-k]`` and ``q_groups`` ``[B, Hq, Lq, top-k]`` are
+    routings done by the caller (a KV cache's, or of centered vectors; None: route q and k here). Exact: the result
+    of :func:`focus_flex.attention.reference_attention`.
 
     Routes one batch row and KV head at a time where the C routing runs, so the group tensors stay one head's. The
     output has q's memory layout where q's is dense with contiguous rows of D, as SDPA's does: transformers hands q
@@ -254,8 +255,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
     # Routing per batch row and KV head where it is the C routing (a vector's group does not depend on the vectors
     # routed with it); PyTorch's scores can, in their last bits, so there the whole tensors are routed at once, as
     # reference_attention does.
-    q_all = None if config.query_top_k == 1 and native.routes(q, centroids) else routing.hard_groups(
-        q, centroids, config.query_top_k)
+    q_all = q_groups
+    if q_all is None and not (config.query_top_k == 1 and native.routes(q, centroids)):
+        q_all = routing.hard_groups(q, centroids, config.query_top_k)
     if k_groups is None and not (config.key_top_k == 1 and native.routes(k, centroids)):
         k_groups = routing.hard_groups(k, centroids, config.key_top_k)
     for i in range(b):

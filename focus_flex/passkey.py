@@ -336,14 +336,14 @@ def key_attention(model: nn.Module, tokenizer: Any, prompt: PasskeyPrompt, adapt
     computes (its input is not yet changed by Focus in the layers below).
     """
     from focus_flex import routing
-    from focus_flex.train import teacher_qkv
+    from focus_flex.train import centerings, routing_vectors, teacher_qkv
 
     answer = tokenizer(" " + prompt.key, add_special_tokens=False)["input_ids"]
     ids = torch.cat([prompt.input_ids, torch.tensor(answer[:-1])])
     n, queries = len(ids), torch.arange(len(prompt.input_ids) - 1, len(ids))
     keys = torch.tensor([i for i in range(*prompt.needle) if tokenizer.decode(ids[i:i + 1]).strip().isdigit()])
     qkv = teacher_qkv(model, ids[None])
-    cfg = adapter.config
+    cfg, centering = adapter.config, centerings(adapter, model)
     out: dict[str, list[torch.Tensor]] = {f: [] for f in ("mass", "kept", "kept_all", "shared", "qg", "kg")}
     i, j = queries[:, None], torch.arange(n)[None, :]
     local = (j <= i) & ((i - j < cfg.window) | (j < cfg.sink_tokens))  # [Q, N]
@@ -353,8 +353,10 @@ def key_attention(model: nn.Module, tokenizer: Any, prompt: PasskeyPrompt, adapt
         probs = (q[:, queries] @ k.repeat_interleave(rep, 0).transpose(-1, -2)) * (scale or q.shape[-1] ** -0.5)
         probs = probs.masked_fill(j > i, float("-inf")).softmax(-1)  # [Hq, Q, N]
         c = adapter.centroids[adapter.slot[layer]].detach().float()
-        qm = routing.hard_membership(q[None, :, queries], c, cfg.query_top_k)[0]  # [Hq, Q]
-        km = routing.hard_membership(k[None], c, cfg.key_top_k)[0].repeat_interleave(rep, 0)  # [Hq, N]
+        q_route = routing_vectors(q[None, :, queries], centering[adapter.slot[layer]], "query", queries)
+        k_route = routing_vectors(k[None], centering[adapter.slot[layer]], "key")
+        qm = routing.hard_membership(q_route, c, cfg.query_top_k)[0]  # [Hq, Q]
+        km = routing.hard_membership(k_route, c, cfg.key_top_k)[0].repeat_interleave(rep, 0)  # [Hq, N]
         share = (qm[:, :, None] & km[:, None, :]) != 0
         allowed = local | (share & (j <= i))
         mass = probs[..., keys].sum(-1)  # [Hq, Q]
@@ -362,8 +364,8 @@ def key_attention(model: nn.Module, tokenizer: Any, prompt: PasskeyPrompt, adapt
         out["kept"].append((probs * allowed)[..., keys].sum(-1).mean(-1) / mass.mean(-1).clamp_min(1e-30))
         out["kept_all"].append((probs * allowed).sum(-1).mean(-1))
         out["shared"].append(share[..., keys].float().mean((-1, -2)))
-        out["qg"].append(routing.hard_groups(q[None, :, queries], c, cfg.query_top_k)[0])
-        out["kg"].append(routing.hard_groups(k[None, :, keys], c, cfg.key_top_k)[0])
+        out["qg"].append(routing.hard_groups(q_route, c, cfg.query_top_k)[0])
+        out["kg"].append(routing.hard_groups(k_route[:, :, keys], c, cfg.key_top_k)[0])
     stack = {f: torch.stack(v) for f, v in out.items()}
     return KeyAttention(list(cfg.layers), stack["mass"], stack["kept"], stack["kept_all"], stack["shared"],
                         stack["qg"], stack["kg"])

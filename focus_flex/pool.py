@@ -178,11 +178,12 @@ class GroupPool:
                                         BLOCK_SIZE=bs, mask_mod=mod, seq_lengths=(1, self.slots),
                                         compute_q_blocks=False)
 
-    def attend(self, q: torch.Tensor, centroids: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, centroids: torch.Tensor, q_pos: torch.Tensor, scale: float,
+               q_route: torch.Tensor | None = None) -> torch.Tensor:
         """One decode query per batch row, ``[B, Hq, 1, D]`` at positions ``[B]`` (its own key already appended),
         against the pool: ``[B, Hq, 1, D]``, what :func:`~focus_flex.attention.reference_attention` gives over the
-        whole cache. One FlexAttention call."""
-        q_groups = route(q, centroids, self.config.query_top_k)
+        whole cache. One FlexAttention call. ``q_route``: the vectors routed in place of q (None: q)."""
+        q_groups = route(q if q_route is None else q_route, centroids, self.config.query_top_k)
         out, _ = attention._flex(q, self.k, self.v, self.block_mask(q_groups, q_pos), scale, lse=False)
         return out
 

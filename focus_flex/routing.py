@@ -6,10 +6,64 @@ share their KV head's centroids. Everything here is O(N * G * D): no pairwise wo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from focus_flex import native
+
+Rotary = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # positions [B, L] -> cos, sin [B, L, D]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """The rotary encoding's pairing of dimensions: ``[a, b] -> [-b, a]`` over the last dim's halves."""
+    a, b = x.chunk(2, -1)
+    return torch.cat([-b, a], -1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary encoding ``R(p) x = x cos + rotate_half(x) sin`` (cos, sin broadcast against x)."""
+    return x * cos + rotate_half(x) * sin
+
+
+def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The vector before the rotary encoding: the inverse of :func:`rotate` (exact also when cos and sin carry the
+    same attention scaling factor s, ``cos^2 + sin^2 = s^2``)."""
+    return (x * cos - rotate_half(x) * sin) / (cos * cos + sin * sin)
+
+
+@dataclass(frozen=True)
+class Centering:
+    """Routing on mean-removed vectors: a query or key ``x`` at position ``p`` is routed as ``x - R(p) mu``.
+
+    ``mu`` is the mean of the vectors *before* the rotary encoding ``R(p)`` (per query head, and per KV head), so the
+    large component that every query (or key) of a head shares, rotated with the position, no longer decides the
+    group: the groups follow content, not position (docs/passkey.md). Attention itself is unchanged.
+    query_mean ``[Hq, D]``, key_mean ``[Hkv, D]``; ``rotary`` gives the model's cos, sin at positions (None: the
+    model encodes no position in q and k, e.g. GPT-2, and ``R`` is the identity).
+    """
+
+    query_mean: torch.Tensor
+    key_mean: torch.Tensor
+    rotary: Rotary | None
+
+    def _offset(self, mean: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """``R(p) mu`` for positions ``pos [B, L]``: ``[B, H, L, D]`` float32 (or ``[1, H, 1, D]`` without rotary)."""
+        m = mean.float()[None, :, None, :]
+        if self.rotary is None:
+            return m
+        cos, sin = self.rotary(pos.clamp_min(0))  # (left padding has position -1: routed anyhow, never attended)
+        return rotate(m, cos.float()[:, None], sin.float()[:, None])
+
+    def queries(self, q: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Routing vectors of queries ``[B, Hq, L, D]`` at positions ``[B, L]`` (float32)."""
+        return q.float() - self._offset(self.query_mean, pos)
+
+    def keys(self, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Routing vectors of keys ``[B, Hkv, L, D]`` at positions ``[B, L]`` (float32)."""
+        return k.float() - self._offset(self.key_mean, pos)
 
 
 def _dots(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from focus_flex import routing
-from focus_flex.adapter import FocusAdapter, has_focus
+from focus_flex.adapter import FocusAdapter, has_focus, rotary_of
 from focus_flex.attention import near_pairs
 from focus_flex.config import FocusConfig
 from focus_flex.data import check_windows
@@ -207,16 +207,55 @@ def spherical_kmeans(x: torch.Tensor, k: int, iters: int, generator: torch.Gener
     return c
 
 
+Centerings = dict[int, routing.Centering | None]  # adapter slot -> how it centers (None everywhere: no centering)
+
+
+def centerings(adapter: FocusAdapter, model: nn.Module) -> Centerings:
+    """Each slot's :class:`~focus_flex.routing.Centering` for q/k of ``model`` (views of the adapter's means, so later
+    changes to them show), or None per slot without ``config.center``."""
+    if not adapter.config.center:
+        return dict.fromkeys(adapter.slot.values())
+    rotary = rotary_of(model)
+    return {slot: routing.Centering(adapter.query_means[slot], adapter.key_means[slot], rotary)
+            for slot in adapter.slot.values()}
+
+
+def routing_vectors(x: torch.Tensor, centering: routing.Centering | None, kind: str,
+           pos: torch.Tensor | None = None) -> torch.Tensor:
+    """What routing reads for captured queries or keys ``x [B, H, L, D]`` at positions ``pos [L]`` (default
+    ``0..L-1``): x itself or, centered, ``centering.queries`` / ``centering.keys``."""
+    if centering is None:
+        return x
+    pos = (torch.arange(x.shape[2], device=x.device) if pos is None else pos).expand(x.shape[0], -1)
+    return centering.queries(x, pos) if kind == "query" else centering.keys(x, pos)
+
+
 @torch.no_grad()
-def kmeans_init(adapter: FocusAdapter, qkv: QKV, seed: int, iters: int = 10) -> None:
-    """Set each layer's and KV head's centroids to spherical k-means centres of its keys (needs N >= G keys)."""
+def calibrate_means(adapter: FocusAdapter, qkv: QKV, model: nn.Module) -> None:
+    """Centered routing: set each layer's per-head mean query and key *before* the rotary encoding (undone at each
+    token's position) to their means over the captured tokens ``qkv`` (positions ``0..L-1``)."""
+    rotary = rotary_of(model)
+    for layer, slot in adapter.slot.items():
+        q, k = qkv[layer].q.float(), qkv[layer].k.float()
+        if rotary is not None:
+            cos, sin = rotary(torch.arange(q.shape[2], device=q.device)[None])
+            q, k = (routing.unrotate(x, cos[:, None], sin[:, None]) for x in (q, k))
+        adapter.query_means[slot] = q.mean((0, 2)).to(adapter.query_means.device)
+        adapter.key_means[slot] = k.mean((0, 2)).to(adapter.key_means.device)
+
+
+@torch.no_grad()
+def kmeans_init(adapter: FocusAdapter, qkv: QKV, seed: int, iters: int = 10,
+                centering: Centerings | None = None) -> None:
+    """Set each layer's and KV head's centroids to spherical k-means centres of its keys (needs N >= G keys), or of
+    the vectors routing reads for them (``centering``)."""
     gen = torch.Generator().manual_seed(seed)
     keys_per_head, g = qkv[adapter.config.layers[0]].k[:, 0].shape[:2], adapter.config.num_groups
     if keys_per_head[0] * keys_per_head[1] < g:
         raise ValueError(f"k-means init needs at least as many keys per head as groups ({g}); one training window "
                          f"has {keys_per_head[0] * keys_per_head[1]}: use a longer --seq-len or --init random")
     for layer, slot in adapter.slot.items():
-        k = qkv[layer].k
+        k = routing_vectors(qkv[layer].k, (centering or {}).get(slot), "key")
         for h in range(k.shape[1]):
             keys = k[:, h].reshape(-1, k.shape[-1]).cpu()
             adapter.centroids[slot, h] = spherical_kmeans(keys, adapter.config.num_groups, iters, gen)
@@ -246,12 +285,13 @@ def _attention_rows(q: torch.Tensor, k: torch.Tensor, config: FocusConfig, query
 
 
 def distill_layer_loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
-                       config: FocusConfig, query_idx: torch.Tensor,
-                       scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       config: FocusConfig, query_idx: torch.Tensor, scale: float | None = None,
+                       centering: routing.Centering | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer-local Focus objective of one layer: ``(output error, balance)`` scalars (module docstring).
 
-    q ``[B, Hq, L, D]``, k and v ``[B, Hkv, L, D]`` (post-RoPE, from the frozen model), centroids ``[Hkv, G, D]``,
-    query_idx ``[Q]``: the query positions whose attention outputs enter the error.
+    q ``[B, Hq, L, D]``, k and v ``[B, Hkv, L, D]`` (post-RoPE, from the frozen model, positions ``0..L-1``),
+    centroids ``[Hkv, G, D]``, query_idx ``[Q]``: the query positions whose attention outputs enter the error;
+    ``centering``: route mean-removed vectors.
     """
     rep = q.shape[1] // k.shape[1]
     with torch.no_grad():
@@ -259,8 +299,9 @@ def distill_layer_loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centro
         vv = v.float().repeat_interleave(rep, 1)
         full = p @ vv  # [B, Hq, Q, D]
         far = ~(near | future)
-    s_k = routing.scores(k, centroids, config.tau)  # [B, Hkv, L, G]
-    a = routing.soft_membership(routing.scores(q[:, :, query_idx], centroids, config.tau), config.query_top_k)
+    s_k = routing.scores(routing_vectors(k, centering, "key"), centroids, config.tau)  # [B, Hkv, L, G]
+    q_route = routing_vectors(q[:, :, query_idx], centering, "query", query_idx)
+    a = routing.soft_membership(routing.scores(q_route, centroids, config.tau), config.query_top_k)
     b = routing.soft_membership(s_k, config.key_top_k)
     b = (b / b.sum(-1, keepdim=True)).repeat_interleave(rep, 1)  # one unit of mass: see the module docstring
     keep = torch.where(far, (a @ b.transpose(-1, -2)).clamp_max(1.0), near.float())
@@ -277,12 +318,14 @@ def output_error(p: torch.Tensor, keep: torch.Tensor, v: torch.Tensor, full: tor
 
 @torch.no_grad()
 def hard_fidelity(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor, config: FocusConfig,
-                  query_idx: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  query_idx: torch.Tensor, scale: float | None = None,
+                  centering: routing.Centering | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """How well the hard Focus pattern reproduces full attention at ``query_idx``, per head ``[B, Hq]`` each:
     (full-attention mass it keeps, mean over the queries; :func:`output_error` of its outputs)."""
     p, near, future = _attention_rows(q, k, config, query_idx, scale)
-    qm = routing.hard_membership(q[:, :, query_idx], centroids, config.query_top_k)
-    km = routing.hard_membership(k, centroids, config.key_top_k)
+    qm = routing.hard_membership(routing_vectors(q[:, :, query_idx], centering, "query", query_idx), centroids,
+                                 config.query_top_k)
+    km = routing.hard_membership(routing_vectors(k, centering, "key"), centroids, config.key_top_k)
     km = km.repeat_interleave(q.shape[1] // k.shape[1], 1)
     keep = (near | (((qm[..., :, None] & km[..., None, :]) != 0) & ~future)).float()
     vv = v.float().repeat_interleave(q.shape[1] // k.shape[1], 1)
@@ -336,7 +379,7 @@ def batch_indices(num_windows: int, batch_size: int, seed: int, step: int) -> li
 
 
 def accumulate_gradients(model: nn.Module, adapter: FocusAdapter, sequences: torch.Tensor, positions: list[int],
-                         tc: TrainConfig, step: int) -> dict[str, float]:
+                         tc: TrainConfig, step: int, centering: Centerings | None = None) -> dict[str, float]:
     """Forward/backward ``sequences [b, L]`` one at a time, adding into ``adapter.centroids.grad``.
 
     They are this rank's share of the global batch of ``step``, at ``positions`` in it; every loss is divided
@@ -357,7 +400,8 @@ def accumulate_gradients(model: nn.Module, adapter: FocusAdapter, sequences: tor
             idx = idx.to(next(model.parameters()).device)
             for layer, slot in adapter.slot.items():
                 q, k, v, scale = qkv[layer]
-                err, bal = distill_layer_loss(q, k, v, adapter.centroids[slot], cfg, idx, scale)
+                err, bal = distill_layer_loss(q, k, v, adapter.centroids[slot], cfg, idx, scale,
+                                              (centering or {}).get(slot))
                 main = err / len(adapter.slot)
                 bal = bal / len(adapter.slot)
                 ((main + tc.balance_weight * bal) / global_batch).backward()
@@ -379,7 +423,9 @@ def lm_losses(model: nn.Module, adapter: FocusAdapter, seq: torch.Tensor) -> tup
     bals: list[torch.Tensor] = []
 
     def hook(module: FocusAdapter, args: tuple, output: torch.Tensor) -> None:
-        bals.append(balance_loss(routing.scores(args[3], module.centroids[args[1]], cfg.tau), cfg.sinkhorn_iters))
+        _, slot, query, key, _, padding = args[:6]
+        keys = module.routed(slot, query, key, padding)[1]
+        bals.append(balance_loss(routing.scores(keys, module.centroids[slot], cfg.tau), cfg.sinkhorn_iters))
 
     handle = adapter.register_forward_hook(hook)
     try:
@@ -402,10 +448,11 @@ def learning_rate(tc: TrainConfig, step: int) -> float:
 
 
 @torch.no_grad()
-def dev_metrics(adapter: FocusAdapter, dev_qkv: list[QKV], num_queries: int = 256) -> dict[str, float]:
+def dev_metrics(adapter: FocusAdapter, dev_qkv: list[QKV], num_queries: int = 256,
+                centering: Centerings | None = None) -> dict[str, float]:
     """Cheap held-out check of the hard pattern on cached teacher q/k (one entry per dev sequence):
     attention mass kept (``retained``), relative output error, density and key-group balance, averaged over
-    layers and heads."""
+    layers and heads. ``centering``: :func:`centerings` of a centered adapter."""
     from focus_flex.evaluate import pattern_density
 
     cfg, cent = adapter.config, adapter.centroids.detach()
@@ -416,11 +463,12 @@ def dev_metrics(adapter: FocusAdapter, dev_qkv: list[QKV], num_queries: int = 25
             n = q.shape[2]
             idx = torch.linspace(min(cfg.window, n - 1), n - 1, num_queries, device=q.device).long().unique()
             c = cent[slot].to(q.device)
-            fidelity = hard_fidelity(q, k, v, c, cfg, idx, scale)
+            center = (centering or {}).get(slot)
+            fidelity = hard_fidelity(q, k, v, c, cfg, idx, scale, center)
             kept.append(fidelity[0].mean())
             err.append(fidelity[1].mean())
-            qm = routing.hard_membership(q, c, cfg.query_top_k)
-            km = routing.hard_membership(k, c, cfg.key_top_k)
+            qm = routing.hard_membership(routing_vectors(q, center, "query"), c, cfg.query_top_k)
+            km = routing.hard_membership(routing_vectors(k, center, "key"), c, cfg.key_top_k)
             dens.append(pattern_density(qm, km, cfg.window, cfg.sink_tokens).mean())
             bal.append(routing.group_balance(km, cfg.num_groups).mean())
     mean = lambda xs: float(torch.stack(xs).mean())
@@ -458,7 +506,8 @@ def latest_checkpoint(directory: str) -> str | None:
 
 # Settings a resumed run may change: how long it runs and how often it reports.
 _RESUMABLE = {"steps", "eval_every", "checkpoint_every"}
-_ROUTING = ("num_groups", "query_top_k", "key_top_k", "window", "sink_tokens", "tau", "sinkhorn_iters", "layers")
+_ROUTING = ("num_groups", "query_top_k", "key_top_k", "window", "sink_tokens", "tau", "sinkhorn_iters", "layers",
+            "center")
 
 
 def _check_resume(ckpt: str, state: dict[str, Any], saved: FocusConfig, focus: FocusConfig, tc: TrainConfig) -> None:
@@ -549,13 +598,23 @@ def _train_frozen(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor
         _check_resume(ckpt, state, saved.config, adapter.config, tc)
         with torch.no_grad():
             adapter.centroids.copy_(saved.centroids)
+            if adapter.config.center:
+                adapter.query_means.copy_(saved.query_means)
+                adapter.key_means.copy_(saved.key_means)
         optimizer.load_state_dict(state["optimizer"])
         start, history = state["step"], state["history"]
-    elif tc.init == "kmeans":
-        if rank == 0:
-            kmeans_init(adapter, teacher_qkv(model, windows[batch_indices(len(windows), 1, tc.seed, 0)]), tc.seed)
+    else:  # the first window: the heads' means (centered routing), then the k-means start
+        if rank == 0 and (adapter.config.center or tc.init == "kmeans"):
+            first = teacher_qkv(model, windows[batch_indices(len(windows), 1, tc.seed, 0)])
+            if adapter.config.center:
+                calibrate_means(adapter, first, model)
+            if tc.init == "kmeans":
+                kmeans_init(adapter, first, tc.seed, centering=centerings(adapter, model))
         if world > 1:
-            dist.broadcast(adapter.centroids.data, 0)
+            for t in (adapter.centroids.data, adapter.query_means, adapter.key_means):
+                if t is not None:
+                    dist.broadcast(t, 0)
+    centering = centerings(adapter, model)
     dev_qkv = [teacher_qkv(model, w[None]) for w in dev_windows] if dev_windows is not None and rank == 0 else []
     say = log if log is not None and rank == 0 else (lambda msg: None)
     lm_mode = tc.objective == "lm"
@@ -573,7 +632,7 @@ def _train_frozen(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor
             positions = list(range(rank, tc.batch_size, world))
             batch = batch_indices(len(windows), tc.batch_size, tc.seed, step)
             idx = [batch[i] for i in positions]
-            parts = accumulate_gradients(model, adapter, windows[idx], positions, tc, step)
+            parts = accumulate_gradients(model, adapter, windows[idx], positions, tc, step, centering)
             if world > 1:
                 dist.all_reduce(adapter.centroids.grad)
                 totals = torch.tensor([parts[k] for k in sorted(parts)], dtype=torch.float64)
@@ -589,7 +648,7 @@ def _train_frozen(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor
                      "seconds": time.perf_counter() - t0}
             last = step + 1 == tc.steps
             if dev_qkv and ((tc.eval_every and (step + 1) % tc.eval_every == 0) or last):
-                entry["dev"] = dev_metrics(adapter, dev_qkv)
+                entry["dev"] = dev_metrics(adapter, dev_qkv, centering=centering)
                 say(f"step {step + 1}: dev " + json.dumps({k: round(v, 4) for k, v in entry["dev"].items()}))
             history.append(entry)
             bar.set_postfix(loss=f"{parts['loss']:.4f}", balance=f"{parts['balance']:.3f}")
