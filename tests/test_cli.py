@@ -89,6 +89,20 @@ def test_retrofit_then_eval(tiny, tmp_path, capsys):
         assert message in capsys.readouterr().err  # (before the model is looked for)
 
 
+def test_retrofit_centered_then_eval(tiny, tmp_path):
+    """--center: the adapter holds the calibrated means, evaluation routes with them, the card lists the setting."""
+    out = tmp_path / "run"
+    model, held_out = ["--model", str(tiny / "model")], ["--eval-data", str(tiny / "eval")]
+    assert main(["retrofit", *model, "--data", str(tiny / "train"), *held_out, "--steps", "1", "--center",
+                 "--modes", "full", "focus", "--output-dir", str(out), *TINY]) == 0
+    adapter = FocusAdapter.from_pretrained(str(out / "adapter"))
+    assert adapter.config.center and adapter.key_means.abs().max() > 0 and adapter.query_means.abs().max() > 0
+    assert "| `center` | `true` |" in (out / "adapter" / "README.md").read_text()
+    assert main(["eval", str(out / "adapter"), *model, *held_out, "--context", "64", "--eval-windows", "1",
+                 "--modes", "focus", "--output-dir", str(tmp_path / "eval"), "--no-progress"]) == 0
+    assert json.loads((tmp_path / "eval" / RESULTS_JSON).read_text())["results"][0]["density"] < 1
+
+
 @pytest.mark.parametrize("args,message", [
     (["--model", "MODEL/../nope"], "cannot load model"),
     (["--data", "TINY/missing.txt", "--eval-data", "TINY/eval"], "cannot read the training data"),

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from focus_flex import FocusAdapter, FocusConfig, routing
 from focus_flex import train as T
@@ -302,3 +303,40 @@ def test_a_diverging_loss_stops_training_and_the_model_comes_back_as_it_was(monk
     assert model.training and all(p.requires_grad for p in model.parameters())  # train() froze it meanwhile
     with pytest.raises(FileNotFoundError, match="resume"):
         run(steps=1, resume=os.devnull + "-missing")
+
+
+def test_centered_distill_loss_is_the_error_of_centered_hard_focus_attention():
+    """With centering the distilled rows route as the centered reference does (key top-1, sharp routing)."""
+    torch.manual_seed(0)
+    cfg = FocusConfig(num_groups=8, query_top_k=1, key_top_k=1, window=4, sink_tokens=1, tau=1e-6)
+    q, k, v, c = torch.randn(1, 4, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(2, 8, 8)
+    rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=32, num_attention_heads=4, head_dim=8))
+    center = routing.Centering(torch.randn(4, 8) * 2, torch.randn(2, 8) * 2,
+                               lambda pos: rotary(torch.empty(0), pos))
+    idx = torch.arange(4, 32)
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)[:, :, idx]
+    errors = []
+    for centering in (center, None):
+        focus = reference_attention(q, k, v, c, cfg, centering=centering)[:, :, idx]
+        expected = ((focus - full).pow(2).sum((-1, -2)) / full.pow(2).sum((-1, -2))).mean()
+        err, _ = distill_layer_loss(q, k, v, c, cfg, idx, centering=centering)
+        assert torch.allclose(err, expected, rtol=1e-3)
+        hard_err = T.hard_fidelity(q, k, v, c, cfg, idx, centering=centering)[1].mean()
+        assert torch.allclose(hard_err, expected, rtol=1e-3)
+        errors.append(err)
+    assert not torch.allclose(*errors)  # centering changed what was routed
+
+
+def test_training_a_centered_adapter_calibrates_its_means_and_keeps_them():
+    model = tiny_llama()
+    adapter = FocusAdapter.for_model(model, FocusConfig(**{**FOCUS.to_dict(), "center": True}))
+    assert adapter.key_means.abs().max() == 0
+    tc = TrainConfig(steps=2, batch_size=1, seq_len=48, query_samples=16)
+    data = windows()
+    train(model, adapter, data, tc, progress=False)
+    first = T.teacher_qkv(model, data[T.batch_indices(len(data), 1, tc.seed, 0)])
+    expected = FocusAdapter.for_model(model, FocusConfig(**{**FOCUS.to_dict(), "center": True}))
+    T.calibrate_means(expected, first, model)
+    assert adapter.key_means.abs().max() > 0
+    assert torch.equal(adapter.key_means, expected.key_means) and torch.equal(adapter.query_means,
+                                                                            expected.query_means)
