@@ -371,7 +371,8 @@ def _check_passkey_flags(args: argparse.Namespace) -> None:
 
 def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
     """``eval --task passkey``: retrieval of full attention, Focus and the window at Focus's density."""
-    from focus_flex.passkey import check_passkey_args, passkey_eval, passkey_protocol, save_passkey
+    from focus_flex.hub import model_card
+    from focus_flex.passkey import PASSKEY_MD, check_passkey_args, passkey_eval, passkey_protocol, save_passkey
 
     model, tokenizer = _load_model(args.model or adapter.config.base_model,
                                    args.revision or adapter.config.base_model_revision, args.dtype,
@@ -387,7 +388,17 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
                            args.modes, seed=args.seed, progress=not args.no_progress)
     meta = {"command": command, "adapter": args.adapter, "focus_config": adapter.config.to_dict(),
             "cpu": _cpu_name()}
-    save_passkey(out, results, meta, passkey_protocol(args.dtype))
+    paths = save_passkey(out, results, meta, passkey_protocol(args.dtype))
+    # The evaluated copy of the adapter: its card shows the retrieval table and heatmaps next to its perplexity.
+    extra = adapter.config.extra
+    made = extra.setdefault("trained_with", extra.get("command"))
+    with open(paths[PASSKEY_MD], encoding="utf-8") as f:
+        heatmaps = "".join(f"\n![passkey, {name[8:-4]}]({name})\n" for name in paths if name.endswith(".png"))
+        extra["passkey_markdown"] = f.read() + heatmaps + f"\n```bash\n{command}\n```\n"
+    adapter.save_pretrained(out)
+    with open(os.path.join(out, "README.md"), "w", encoding="utf-8") as f:
+        f.write(model_card(adapter.config.to_dict(), repo_id=None, results_markdown=extra.get("results_markdown"),
+                           command=made))
     print(f"results: {out}")
     return 0
 

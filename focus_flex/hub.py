@@ -441,7 +441,8 @@ def model_card(config_dict: dict[str, Any], *, repo_id: str | None, results: dic
         rows = [r.replace("| `layers` | `None` |", "| `layers` | every full-attention layer |") for r in rows]
     rows += [f"| `{k}` | {_cell(v)} |" for k, v in sorted(cfg.items())
              if k not in _CARD_FIELDS and k not in ("extra", "focus_flex_version")]
-    shown = {k: v for k, v in extra.items() if k not in ("results", "results_markdown", "command", "training")}
+    shown = {k: v for k, v in extra.items()
+             if k not in ("results", "results_markdown", "command", "training", "passkey_markdown")}
     if shown:
         rows.append(f"| `extra` | {_cell(shown)} |")
 
@@ -453,6 +454,8 @@ def model_card(config_dict: dict[str, Any], *, repo_id: str | None, results: dic
                 f"| {_cell(k)} | {_cell(v)} |" for k, v in results.items()) + "\n"
         if results_markdown:
             results_section += ("\n" if results else "") + results_markdown.strip() + "\n"
+    if isinstance(extra.get("passkey_markdown"), str):  # written by `focus-flex eval --task passkey`
+        results_section += "\n## Long-range retrieval (passkey)\n\n" + extra["passkey_markdown"].strip() + "\n"
     command_section = ""
     if command:
         command_section = f"\n## How it was made\n\n```bash\n{command.strip()}\n```\n"

@@ -110,6 +110,12 @@ def test_eval_task_passkey_writes_table_json_and_heatmaps(tmp_path, capsys):
     for mode in P.PASSKEY_MODES:
         assert (out / f"passkey_{mode}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert data["focus_config"]["num_groups"] == FocusAdapter.from_pretrained(ADAPTER).config.num_groups
+    # the evaluated copy of the adapter: its card holds the retrieval table and heatmaps next to the perplexity table
+    copy = FocusAdapter.from_pretrained(str(out))
+    assert torch.equal(copy.centroids, FocusAdapter.from_pretrained(ADAPTER).centroids)
+    card = (out / "README.md").read_text()
+    assert card.index("| focus |") < card.index("## Long-range retrieval (passkey)") < card.index(table.split("\n")[0])
+    assert "(passkey_full.png)" in card and "--task passkey" in card
 
 
 @pytest.mark.parametrize("argv,match", [
