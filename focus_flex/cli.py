@@ -384,8 +384,11 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
         raise CliError(str(e).replace("length ", "--lengths ", 1)) from e
     out = _eval_output_dir(args)
     command = "focus-flex " + shlex.join(args.argv)
-    results = passkey_eval(model, tokenizer, adapter, args.lengths, args.depths, args.keys_per_cell, args.haystacks,
-                           args.modes, seed=args.seed, progress=not args.no_progress)
+    results = _reused_full(args) if args.full_results and "full" in args.modes else []
+    modes = [m for m in args.modes if not (results and m == "full")]
+    if modes:
+        results += passkey_eval(model, tokenizer, adapter, args.lengths, args.depths, args.keys_per_cell,
+                                args.haystacks, modes, seed=args.seed, progress=not args.no_progress)
     meta = {"command": command, "adapter": args.adapter, "focus_config": adapter.config.to_dict(),
             "cpu": _cpu_name()}
     paths = save_passkey(out, results, meta, passkey_protocol(args.dtype))
@@ -401,6 +404,25 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
                            command=made))
     print(f"results: {out}")
     return 0
+
+
+def _reused_full(args: argparse.Namespace) -> list:
+    """The full-attention results of ``--full-results`` for exactly the prompts this run asks for."""
+    from focus_flex.passkey import load_passkey, make_key
+
+    try:
+        earlier = {(r.haystack, r.length, r.depth, r.key_number): r for r in load_passkey(args.full_results)
+                   if r.mode == "full"}
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise CliError(f"--full-results {args.full_results!r}: not a readable passkey.json ({e})") from e
+    cells = [(h, n, d, k) for h in args.haystacks for n in args.lengths for d in args.depths
+             for k in range(args.keys_per_cell)]
+    missing = [c for c in cells if c not in earlier or earlier[c].key != make_key(*c, seed=args.seed)]
+    if missing:
+        raise CliError(f"--full-results {args.full_results!r} has no full-attention result for {len(missing)} of the "
+                       f"{len(cells)} prompts asked for (e.g. haystack, length, depth, key number = {missing[0]}, "
+                       f"--seed {args.seed}); run full attention for them (drop --full-results)")
+    return [earlier[c] for c in cells]
 
 
 def _cpu_name() -> str | None:
@@ -501,6 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--keys-per-cell", type=int, default=2, help="keys per (haystack, length, depth)")
     pk.add_argument("--haystacks", nargs="+", choices=list(HAYSTACKS), default=list(HAYSTACKS))
     pk.add_argument("--seed", type=int, default=0, help="seed of the keys")
+    pk.add_argument("--full-results", metavar="PASSKEY_JSON", default=None,
+                    help="reuse the full-attention results of an earlier run (its passkey.json, same prompts) "
+                         "instead of running full attention again")
     _add_common(e, training=False)
     e.set_defaults(func=cmd_eval, modes=None)  # --modes default: all of the task's modes
 

@@ -378,8 +378,26 @@ def _tally(results: list[PasskeyResult]) -> str:
     return f"{sum(r.correct for r in results)}/{len(results)}"
 
 
+def prompt_id(r: PasskeyResult) -> tuple[str, int, int, int, str]:
+    """Which prompt a result answers: every mode of one run (or of runs with the same seed) answers the same ones."""
+    return r.haystack, r.length, r.depth, r.key_number, r.key
+
+
+def retained(results: list[PasskeyResult], mode: str) -> list[PasskeyResult]:
+    """``mode``'s results on the prompts that full attention answers correctly (the retrieval Focus must keep)."""
+    solved = {prompt_id(r) for r in results if r.mode == "full" and r.correct}
+    return [r for r in results if r.mode == mode and prompt_id(r) in solved]
+
+
+def load_passkey(path: str | os.PathLike) -> list[PasskeyResult]:
+    """The results of a ``passkey.json`` written by :func:`save_passkey`."""
+    with open(path, encoding="utf-8") as f:
+        return [PasskeyResult(**r) for r in json.load(f)["results"]]
+
+
 def passkey_markdown(results: list[PasskeyResult], protocol: str = "") -> str:
-    """Markdown tables: correct/total per mode and length for each haystack, then per depth."""
+    """Markdown tables: correct/total per mode and length for each haystack, then per depth; with full attention's
+    results, each other mode's share of the keys full attention retrieves."""
     modes = list(dict.fromkeys(r.mode for r in results))
     lines = []
     for haystack in dict.fromkeys(r.haystack for r in results):
@@ -399,6 +417,15 @@ def passkey_markdown(results: list[PasskeyResult], protocol: str = "") -> str:
         for mode in modes:
             lines.append(f"| {mode} | " + " | ".join(_tally([r for r in rows if r.mode == mode and r.depth == d])
                                                     for d in depths) + " |")
+        others = [m for m in modes if m != "full"]
+        if "full" in modes and others:
+            lines += ["", "Of the keys full attention retrieves, retrieved by each mode:", "",
+                      "| mode | " + " | ".join(f"{n} tokens" for n in lengths) + " | all |",
+                      "|---" * (len(lengths) + 2) + "|"]
+            for mode in others:
+                kept = retained(rows, mode)
+                lines.append(f"| {mode} | " + " | ".join(_tally([r for r in kept if r.length == n]) for n in lengths)
+                             + f" | {_tally(kept)} |")
         lines.append("")
     return "\n".join(lines) + ("\n" + protocol.strip() + "\n" if protocol else "")
 

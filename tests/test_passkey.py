@@ -116,6 +116,16 @@ def test_eval_task_passkey_writes_table_json_and_heatmaps(tmp_path, capsys):
     card = (out / "README.md").read_text()
     assert card.index("| focus |") < card.index("## Long-range retrieval (passkey)") < card.index(table.split("\n")[0])
     assert "(passkey_full.png)" in card and "--task passkey" in card
+    # full attention's results reused from that run: the same rows, not run again; other seeds' prompts are refused
+    again = tmp_path / "pk2"
+    argv = ["eval", ADAPTER, "--task", "passkey", "--lengths", "384", "--depths", "30", "--keys-per-cell", "1",
+            "--modes", "full", "focus", "--full-results", str(out / P.PASSKEY_JSON), "--no-progress"]
+    assert main([*argv, "--output-dir", str(again)]) == 0
+    rows2 = json.loads((again / P.PASSKEY_JSON).read_text())["results"]
+    assert [r for r in rows2 if r["mode"] == "full"] == full
+    assert "Of the keys full attention retrieves" in (again / P.PASSKEY_MD).read_text()
+    assert main([*argv, "--seed", "1", "--output-dir", str(tmp_path / "pk3")]) == 2
+    assert "no full-attention result for 2 of the 2 prompts" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -158,3 +168,14 @@ def test_key_attention_finds_heads_reading_the_key_and_what_the_pattern_keeps(sm
     assert torch.allclose(wide.kept, torch.ones_like(wide.kept), atol=1e-4)
     assert torch.allclose(wide.kept_all, torch.ones_like(wide.kept_all), atol=1e-4)
     assert torch.equal(wide.mass, ka.mass)
+
+
+def test_retention_counts_only_the_keys_full_attention_retrieves():
+    def row(mode, depth, correct, key="12345"):
+        return P.PasskeyResult(mode, "prose", 1024, depth, 0, key, "", correct, depth, 1.0, 0.0)
+
+    results = [row("full", 10, True), row("full", 50, False), row("full", 90, True),
+               row("focus", 10, True), row("focus", 50, True), row("focus", 90, False)]
+    assert [r.depth for r in P.retained(results, "focus")] == [10, 90]
+    table = P.passkey_markdown(results)
+    assert "| focus | 1/2 | 1/2 |" in table and "| focus | 2/3 | 2/3 |" in table
