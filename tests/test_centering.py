@@ -181,3 +181,35 @@ def test_training_centerings_follow_the_adapter():
     with torch.no_grad():
         adapter.key_means.add_(1.0)
     assert torch.equal(c[0].key_mean, adapter.key_means[0])  # a view: calibration after construction shows
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_real_smollm2_centered_fast_path_and_decode_equal_the_reference():
+    """The embedded SmolLM2 (real RoPE, GQA 9/3), a centered adapter calibrated and k-means-initialised on a real
+    text window: prefill (C kernel) and cached decode equal the dense reference; centering moves real groups."""
+    from focus_flex.data import load_documents
+    from focus_flex.models import load_model
+    from focus_flex.train import kmeans_init
+
+    model, tok = load_model()
+    text = load_documents(split="eval")[0][:6000]
+    x = tok(text, return_tensors="pt").input_ids[:, :400]
+    adapter = FocusAdapter.for_model(model, FocusConfig(num_groups=16, window=64, sink_tokens=4, center=True))
+    qkv = teacher_qkv(model, x[:, :300])
+    calibrate_means(adapter, qkv, model)
+    kmeans_init(adapter, qkv, 0, centering=centerings(adapter, model))
+    center = centerings(adapter, model)[20]
+    k = qkv[20].k
+    plain = routing.hard_groups(k, adapter.centroids[20], 1)
+    moved = (routing.hard_groups(center.keys(k, torch.arange(300)[None]), adapter.centroids[20], 1) != plain)
+    assert moved.float().mean() > 0.2  # real keys share a large component: removing it changes many groups
+    adapter.attach(model)
+    fast = model(x).logits
+    out = model.generate(x[:, :350], max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True)
+    adapter.mode = "reference"
+    ref = model(x).logits
+    assert maxdiff(fast, ref) <= 1e-3 * ref.abs().max().item()
+    full = model(out.sequences).logits[:, 349:-1]
+    assert maxdiff(torch.stack(out.logits, 1), full) <= 1e-3 * full.abs().max().item()
