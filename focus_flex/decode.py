@@ -192,7 +192,7 @@ def _sampled_scores(q_rows: torch.Tensor, keys: torch.Tensor, rows: np.ndarray, 
 
 def _one_group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
                          config: FocusConfig, index: KeyIndex, scale: float, threads: int,
-                         q_route: torch.Tensor) -> torch.Tensor:
+                         q_route: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`indexed_attention` for one query with top-1 query routing (a default decode step).
 
     Each query row's keys are then its sinks and window plus the far part of exactly one group list, with no
@@ -205,7 +205,7 @@ def _one_group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cent
     """
     b, hq, _, d = q.shape
     hkv, rep, dev = k.shape[1], hq // k.shape[1], q.device
-    s, groups = config.sink_tokens, routing.hard_groups(q_route, centroids, 1)
+    s, groups = config.sink_tokens, routing.hard_groups(q if q_route is None else q_route, centroids, 1)
     if native.applies(k, v) and native.library() is not None:  # the same step, fused in C (it knows the local keys)
         # One thread unless a row reads many keys: waking a second thread costs up to milliseconds when another
         # process holds the core, more than a step's work on one.
