@@ -118,16 +118,17 @@ def test_centered_adapter_fast_equals_reference_and_differs_from_uncentered(arch
     assert maxdiff(model(x).logits, fast) > 1e-3
 
 
-@pytest.mark.parametrize("kernel", [None, "flex"])
+@pytest.mark.parametrize("kernel,cache", [(None, "dynamic"), ("flex", "dynamic"), (None, "static")])
 @torch.no_grad()
-def test_centered_generate_with_kv_cache_equals_recomputing_the_prefix(kernel):
-    """Decode routes each new key once (CPU key index, or the device path's pool) at its own position."""
+def test_centered_generate_with_kv_cache_equals_recomputing_the_prefix(kernel, cache):
+    """Decode routes each new key once (CPU key index, or the device path's pool, dynamic or static) at its own
+    position."""
     model = tiny("llama")
     adapter = centered_adapter(model)
     adapter.attach(model)
     adapter.kernel = kernel
     prompt = ids(2, 40)
-    out = model.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    out = model.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False, cache_implementation=cache)
     seq = prompt
     for _ in range(16):
         seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], 1)

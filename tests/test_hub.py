@@ -500,7 +500,7 @@ def test_model_card():
     assert "Focus" in body and "frozen" in body and "centroids" in body
     assert "| `num_groups` | 16 |" in card and "| `layers` | `[0, 1, 2]` |" in card
     assert "| `base_model_revision` | r1 |" in card
-    assert f"{3 * 3 * 16 * 64:,} trained parameters" in card
+    assert f"{3 * 3 * 16 * 64:,} parameters" in card
     assert "## Results" in card and "| perplexity | 17.4 |" in card
     assert "Measured on 4096-token windows." in card
     assert "focus-flex train ..." in card
@@ -662,23 +662,36 @@ def test_focus_adapter_for_another_base_model(hub_server, tmp_path):
         loaded.attach(tiny_llama("org/tiny-llama-mqa", num_key_value_heads=1))
 
 
-def test_published_default_adapter_is_a_ready_to_push_repo():
-    """hub/smollm2-135m-instruct-focus: the adapter `focus-flex retrofit` trained on the defaults, with its card."""
-    folder = os.path.join(os.path.dirname(__file__), os.pardir, "hub", "smollm2-135m-instruct-focus")
+@pytest.mark.parametrize("name,flags", [("smollm2-135m-instruct-focus", ()),
+                                        ("smollm2-135m-instruct-focus-retrieval", ("--center", "--sinks 64"))])
+def test_published_adapters_are_ready_to_push_repos(name, flags):
+    """hub/: the adapters `focus-flex retrofit` trained (on the defaults; the retrieval one with --center and 64
+    sinks), each with its card: perplexity, then passkey retrieval with its heatmaps."""
+    folder = os.path.join(os.path.dirname(__file__), os.pardir, "hub", name)
     config, table = hub.validate_adapter_folder(folder)
     adapter = FocusAdapter.from_pretrained(folder)
     assert config.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and config.model_type == "llama"
-    d = DEFAULT_FOCUS  # made by `focus-flex retrofit` with its defaults
+    d = DEFAULT_FOCUS  # made by `focus-flex retrofit` with its defaults, but for the flags
     assert (config.num_groups, config.query_top_k, config.key_top_k) == (d.num_groups, d.query_top_k, d.key_top_k)
+    assert config.center == ("--center" in flags) and config.sink_tokens == (64 if flags else d.sink_tokens)
+    assert all(flag in config.extra["trained_with"] for flag in flags)
+    if config.center:  # calibrated means, saved with the centroids
+        assert table["key_means"]["shape"] == [30, 3, 64] and adapter.key_means.abs().max() > 0
     assert list(adapter.centroids.shape) == table["centroids"]["shape"] == [30, 3, d.num_groups, 64]
     assert torch.allclose(adapter.centroids.norm(dim=-1), torch.ones(()), atol=1e-4)  # trained, unit-norm
     card = open(os.path.join(folder, "README.md"), encoding="utf-8").read()
     meta = _front_matter(card)
     assert meta["library_name"] == "focus_flex" and meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert "focus-flex retrofit" in card and "perplexity_vs_density.png" in card
+    assert card.index("perplexity_vs_density.png") < card.index("## Long-range retrieval (passkey)")
+    passkey = json.load(open(os.path.join(folder, "passkey.json"), encoding="utf-8"))["results"]
+    modes = {r["mode"] for r in passkey}
+    assert {r["length"] for r in passkey} == {1024, 2048, 4096, 8192} and {"full", "focus"} <= modes
+    for mode in modes:
+        assert f"(passkey_{mode}.png)" in card and os.path.isfile(os.path.join(folder, f"passkey_{mode}.png"))
     results = json.load(open(os.path.join(folder, "results.json"), encoding="utf-8"))
     modes = {r["mode"]: r for r in results["results"]}
-    assert set(modes) == {"full", "focus", "soft", "window", "random"}
+    assert {"full", "focus", "window", "random"} <= set(modes)
     assert modes["focus"]["density"] <= 0.25 and config.extra["results"]["focus"]["perplexity"] == pytest.approx(
         modes["focus"]["perplexity"], rel=1e-3)
     assert os.path.isfile(os.path.join(folder, "perplexity_vs_density.png"))
