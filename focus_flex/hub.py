@@ -393,7 +393,12 @@ def _param_summary(cfg: dict[str, Any], shapes: dict[str, list[int]] | None) -> 
     layers = len(cfg["layers"]) if cfg.get("layers") is not None else None
     dims = [layers, cfg.get("num_kv_heads"), cfg.get("num_groups"), cfg.get("head_dim")]
     if all(d is not None for d in dims):
-        return f"{_prod(dims):,}", f"centroids {dims}: layers x KV heads x groups x head dim"
+        n, what = _prod(dims), f"centroids {dims}: layers x KV heads x groups x head dim"
+        if cfg.get("center") and cfg.get("num_query_heads"):  # centered routing: the heads' mean queries and keys
+            heads = cfg["num_query_heads"] + cfg["num_kv_heads"]
+            n += layers * heads * cfg["head_dim"]
+            what += f"; query and key means [{layers}, {cfg['num_query_heads']} + {cfg['num_kv_heads']}, {dims[3]}]"
+        return f"{n:,}", what
     return "only the", "centroids: layers x KV heads x groups x head dim"
 
 
