@@ -846,8 +846,10 @@ def _guard_worker(spec: dict[str, Any]) -> dict[str, Any]:
         for _ in range(GUARD_DECODE_STEPS):
             attention.focus_attention(q1, k, v, c, cfg, key_index=index)
 
-    parts = {"prefill": lambda: attention.focus_attention(q, k, v, c, cfg), "decode step": decode}
-    if native.routes(q, c):  # (else routing is PyTorch's either way)
+    parts = {"prefill": lambda: attention.focus_attention(q, k, v, c, cfg)}
+    if native.applies(k, v):  # (else the decode step is PyTorch's either way)
+        parts["decode step"] = decode
+    if native.routes(q, c):  # (likewise routing)
         parts["routing"] = lambda: routing.hard_groups(q, c, 1)
     res: dict[str, Any] = {"n": spec["n"], "target": spec["target"], "kernels": native.build_label(),
                            "kernel": kernel_label(q, k, v, cfg)}

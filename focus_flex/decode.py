@@ -206,7 +206,7 @@ def _one_group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cent
     b, hq, _, d = q.shape
     hkv, rep, dev = k.shape[1], hq // k.shape[1], q.device
     s, groups = config.sink_tokens, routing.hard_groups(q if q_route is None else q_route, centroids, 1)
-    if native.applies(k, v) and native.library() is not None:  # the same step, fused in C (it knows the local keys)
+    if native.applies(k, v):  # the same step, fused in C (it knows the local keys)
         # One thread unless a row reads many keys: waking a second thread costs up to milliseconds when another
         # process holds the core, more than a step's work on one.
         keys = b * hkv * (k.shape[2] // config.num_groups + config.window)

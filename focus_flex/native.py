@@ -57,6 +57,7 @@ def _variants() -> tuple[tuple[str, ...], ...]:
 DTYPES = (torch.float32, torch.bfloat16)
 PREFILL_MAX_D = 256  # prefill.c: head dims up to this, multiples of 16
 ROUTE_MIN_BITS = 256  # routing.c runs where the build's vectors are at least this wide
+DECODE_MIN_BITS = 256  # the C decode step too (with 128-bit vectors PyTorch's step is faster: docs/speed.md)
 _P, _I, _F, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _DECODE_ARGS = (_I, _I, _I, _P, _P, _F, _P, _P, _I, _P, _P, _I, _N, _P, _P, _P, _I, _I, _I, _I, _N, _P)
 _PLAN_ARGS = (_I, _I, _I, _I, _I, _I, _P, _I, _P, _I) + (_P,) * 7
@@ -184,10 +185,17 @@ def build_label() -> str:
     return f"C, {lib.focus_vector_bits()}-bit vectors (target {march()})"
 
 
-def applies(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the C step can read this cache: CPU tensors of one dtype in :data:`DTYPES`, rows contiguous."""
+def _readable(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Keys and values the C kernels read: CPU tensors of one dtype in :data:`DTYPES`, rows contiguous."""
     return (k.device.type == "cpu" and v.device.type == "cpu" and k.dtype == v.dtype and k.dtype in DTYPES
             and k.stride(-1) == 1 and v.stride(-1) == 1)
+
+
+def applies(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the C decode step takes this cache: :func:`_readable`, and the library built with vectors of at least
+    :data:`DECODE_MIN_BITS`."""
+    lib = library() if _readable(k, v) else None
+    return lib is not None and lib.focus_vector_bits() >= DECODE_MIN_BITS
 
 
 def decode_step(q: torch.Tensor, groups: torch.Tensor, scale: float, k: torch.Tensor, v: torch.Tensor,
@@ -255,7 +263,7 @@ def prefill_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 def _prefill_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """The inputs :func:`prefill` reads: :func:`prefill_applies` without the library."""
     d = q.shape[-1]
-    return (applies(k, v) and q.device.type == "cpu" and q.dtype == k.dtype and q.stride(-1) == 1
+    return (_readable(k, v) and q.device.type == "cpu" and q.dtype == k.dtype and q.stride(-1) == 1
             and d % 16 == 0 and d <= PREFILL_MAX_D)
 
 

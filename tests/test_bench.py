@@ -53,8 +53,9 @@ def test_guard_default_kernels_are_not_slower_than_their_fallbacks(tmp_path):
     assert [r["target"] for r in res["guard"]] == native.build_targets()
     bits = [int(r["kernel"].split(", ")[1].split("-")[0]) for r in res["guard"]]
     assert bits == sorted(bits, reverse=True) and bits[-1] >= 128  # each build computes with its own vector width
-    for row in res["guard"]:
-        assert {"prefill", "decode step"} <= set(row)  # routing too where the build routes in C
+    for row, width in zip(res["guard"], bits, strict=True):
+        assert "prefill" in row  # the decode step and routing too where the build runs them in C (wide vectors)
+        assert ("decode step" in row) == ("routing" in row) == (width >= native.DECODE_MIN_BITS)
         for part in set(bench.GUARD_PARTS) & set(row):
             assert 0 < row[part]["ratio"] <= bench.GUARD_RATIO
     assert "## Guard" in (tmp_path / "bench.md").read_text()
