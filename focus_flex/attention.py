@@ -511,11 +511,11 @@ def _host_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
     # Key routing a KV cache already did; else the kernel routes the keys itself (centered: routed here).
     k_groups = None if k_member is None else groups_from_membership(k_member, config.key_top_k, config.num_groups)
     q_groups = None
-    if centering is not None:
-        q_route, k_route = routed(q, k, valid, centering)
-        q_groups = routing.hard_groups(q_route, centroids, config.query_top_k)
+    if centering is not None:  # (keys a cache already routed are not centered again)
+        pos = token_positions(valid)
+        q_groups = routing.hard_groups(centering.queries(q, pos[:, k.shape[2] - lq:]), centroids, config.query_top_k)
         if k_groups is None:
-            k_groups = routing.hard_groups(k_route, centroids, config.key_top_k)
+            k_groups = routing.hard_groups(centering.keys(k, pos), centroids, config.key_top_k)
     return flash.flash_attention(q, k, v, centroids, k_groups, valid, config, scale, q_groups)
 
 
