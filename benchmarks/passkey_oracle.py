@@ -1,0 +1,88 @@
+"""``python -m benchmarks.passkey_oracle``: where a Focus adapter loses the passkeys full attention retrieves.
+
+For every prompt that full attention answers correctly in ``--full-results`` (a ``passkey.json`` of
+``focus-flex eval --task passkey --modes full``), the adapter answers it with its hard pattern (reference path:
+dense SDPA with the pattern as mask) plus one kind of extra pairs:
+
+* ``none`` — nothing added: the adapter as it is;
+* ``decode`` — the generation steps (queries of forwards over a KV cache) attend every earlier token;
+* ``tail`` — as ``decode``, and the prompt's last ``--tail`` tokens (the question and the answer's start) too;
+* ``needle`` — every query attends the needle's tokens.
+
+A variant that recovers the keys says which queries lose them. Nothing here changes the library: the extra pairs
+are added by wrapping :func:`focus_flex.attention.reference_attention` for the duration of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+import focus_flex.adapter
+from benchmarks.bench import machine_info
+from focus_flex import FocusAdapter
+from focus_flex.attention import focus_pattern
+from focus_flex.models import load_model
+from focus_flex.passkey import build_prompt, greedy_answer, load_passkey, score
+
+VARIANTS = ("none", "decode", "tail", "needle")
+
+
+@contextlib.contextmanager
+def extra_pairs(variant: str, prompt_len: int, needle: tuple[int, int], tail: int):
+    """The reference path with ``variant``'s pairs allowed on top of the Focus pattern."""
+
+    def attention(q, k, v, centroids, config, *, attention_mask=None, scale=None, centering=None):
+        mask = focus_pattern(q, k, centroids, config, attention_mask=attention_mask, centering=centering)
+        lq, lk = q.shape[2], k.shape[2]
+        rows, cols = torch.arange(lk - lq, lk)[:, None], torch.arange(lk)[None, :]
+        causal = cols <= rows
+        if variant in ("decode", "tail"):
+            mask = mask | ((rows >= prompt_len - (tail if variant == "tail" else 0)) & causal)
+        elif variant == "needle":
+            mask = mask | ((cols >= needle[0]) & (cols < needle[1]) & causal)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+    with mock.patch.object(focus_flex.adapter, "reference_attention", attention):
+        yield
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--adapter", default="hub/smollm2-135m-instruct-focus-retrieval")
+    parser.add_argument("--full-results", required=True, help="passkey.json with full attention's answers")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--tail", type=int, default=24, help="prompt tokens the tail variant adds")
+    args = parser.parse_args()
+    print(" | ".join(f"{k}: {v}" for k, v in machine_info().items()))
+    model, tokenizer = load_model()
+    model.eval()
+    adapter = FocusAdapter.from_pretrained(args.adapter)
+    solved = [r for r in load_passkey(args.full_results) if r.mode == "full" and r.correct and r.length in args.lengths]
+    if not solved:
+        raise SystemExit(f"full attention retrieves no key at lengths {args.lengths} in {args.full_results}")
+    adapter.mode = "reference"
+    adapter.attach(model)
+    totals = {}
+    for variant in args.variants:
+        hits = 0
+        for r in solved:
+            prompt = build_prompt(tokenizer, r.length, r.depth, r.key, r.haystack, r.key_number)
+            t0 = time.perf_counter()
+            with extra_pairs(variant, len(prompt.input_ids), prompt.needle, args.tail):
+                answer = greedy_answer(model, tokenizer, prompt.input_ids)
+            hits += score(answer, r.key)
+            print(f"{variant:6s} {r.haystack:6s} {r.length:5d} {r.depth:3d}% key {r.key_number} {r.key}: {answer!r} "
+                  f"{'correct' if score(answer, r.key) else 'wrong'} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        totals[variant] = f"{hits}/{len(solved)}"
+    print("keys full attention retrieves, retrieved by the adapter plus:", totals)
+
+
+if __name__ == "__main__":
+    main()
