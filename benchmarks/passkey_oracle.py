@@ -77,9 +77,10 @@ def main() -> None:
             t0 = time.perf_counter()
             with extra_pairs(variant, len(prompt.input_ids), prompt.needle, args.tail):
                 answer = greedy_answer(model, tokenizer, prompt.input_ids)
-            hits += score(answer, r.key)
+            correct = score(answer, r.key)
+            hits += correct
             print(f"{variant:6s} {r.haystack:6s} {r.length:5d} {r.depth:3d}% key {r.key_number} {r.key}: {answer!r} "
-                  f"{'correct' if score(answer, r.key) else 'wrong'} ({time.perf_counter() - t0:.0f} s)", flush=True)
+                  f"{'correct' if correct else 'wrong'} ({time.perf_counter() - t0:.0f} s)", flush=True)
         totals[variant] = f"{hits}/{len(solved)}"
     print("keys full attention retrieves, retrieved by the adapter plus:", totals)
 

@@ -662,9 +662,10 @@ def test_focus_adapter_for_another_base_model(hub_server, tmp_path):
         loaded.attach(tiny_llama("org/tiny-llama-mqa", num_key_value_heads=1))
 
 
-@pytest.mark.parametrize("name,flags", [("smollm2-135m-instruct-focus", ()),
-                                        ("smollm2-135m-instruct-focus-retrieval", ("--center", "--sinks 64"))])
-def test_published_adapters_are_ready_to_push_repos(name, flags):
+@pytest.mark.parametrize("name,flags,evaluated", [
+    ("smollm2-135m-instruct-focus", (), {"full", "focus", "soft", "window", "random"}),
+    ("smollm2-135m-instruct-focus-retrieval", ("--center", "--sinks 64"), {"full", "focus", "window", "random"})])
+def test_published_adapters_are_ready_to_push_repos(name, flags, evaluated):
     """hub/: the adapters `focus-flex retrofit` trained (on the defaults; the retrieval one with --center and 64
     sinks), each with its card: perplexity, then passkey retrieval with its heatmaps."""
     folder = os.path.join(os.path.dirname(__file__), os.pardir, "hub", name)
@@ -691,7 +692,7 @@ def test_published_adapters_are_ready_to_push_repos(name, flags):
         assert f"(passkey_{mode}.png)" in card and os.path.isfile(os.path.join(folder, f"passkey_{mode}.png"))
     results = json.load(open(os.path.join(folder, "results.json"), encoding="utf-8"))
     modes = {r["mode"]: r for r in results["results"]}
-    assert {"full", "focus", "window", "random"} <= set(modes)
+    assert set(modes) == evaluated  # the modes its retrofit command evaluated
     assert modes["focus"]["density"] <= 0.25 and config.extra["results"]["focus"]["perplexity"] == pytest.approx(
         modes["focus"]["perplexity"], rel=1e-3)
     assert os.path.isfile(os.path.join(folder, "perplexity_vs_density.png"))
