@@ -328,8 +328,8 @@ class FocusAdapter(nn.Module):
         if shape != tuple(self.centroids.shape) or c.layers != list(self.slot) or c.center != centered:
             raise ValueError(f"adapter.config describes centroids {shape} on layers {c.layers}, but the adapter holds "
                              f"{tuple(self.centroids.shape)} on layers {list(self.slot)}: on an adapter only the "
-                             "routing may change (query_top_k, key_top_k, window, sink_tokens, tau); for other "
-                             "groups, layers or centering build a new one (FocusAdapter.for_model).")
+                             "routing may change (query_top_k, key_top_k, window, sink_tokens, tau, dense_decode); for "
+                             "other groups, layers or centering build a new one (FocusAdapter.for_model).")
 
     def _exit(self, module, args, output):
         self._active_cache = None
@@ -413,7 +413,8 @@ class FocusAdapter(nn.Module):
                                                centering)
         with small_work(query.device) if query.shape[2] <= DECODE_MAX_QUERIES else contextlib.nullcontext():
             return focus_attention(query, key, value, cent.detach(), c, attention_mask=padding, scale=scaling,
-                                   key_index=self.key_index(slot, key, padding), kernel=self.kernel,
+                                   key_index=None if c.dense_decode else self.key_index(slot, key, padding),
+                                   kernel=self.kernel,
                                    centering=centering)
 
     # ---- files -------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from focus_flex import flash, routing
-from focus_flex.config import FocusConfig
+from focus_flex.config import DECODE_MAX_QUERIES, FocusConfig
 from focus_flex.decode import KeyIndex, indexed_attention
 from focus_flex.plan import (
     FarPlan,
@@ -31,9 +31,6 @@ from focus_flex.plan import (
     token_positions,
 )
 from focus_flex.threads import outer, small_work, using
-
-DECODE_MAX_QUERIES = 16  # up to this many queries, the fast path gathers keys instead of calling flex
-
 
 # ---- input checks and shared helpers -------------------------------------------------------------
 
@@ -90,6 +87,11 @@ def near_pairs(q_pos: torch.Tensor, k_pos: torch.Tensor, config: FocusConfig) ->
     return ((q_pos[..., :, None] - k_pos[..., None, :]) < config.window) | (k_pos < config.sink_tokens)[..., None, :]
 
 
+def dense_decode(config: FocusConfig, lq: int) -> bool:
+    """Whether a forward of ``lq`` queries is a decode step that ``config.dense_decode`` leaves to full attention."""
+    return config.dense_decode and lq <= DECODE_MAX_QUERIES
+
+
 def focus_pattern(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, config: FocusConfig, *,
                   attention_mask: torch.Tensor | None = None, q_member: torch.Tensor | None = None,
                   k_member: torch.Tensor | None = None, centering: routing.Centering | None = None) -> torch.Tensor:
@@ -97,22 +99,25 @@ def focus_pattern(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, con
 
     Query i may attend key j iff j <= i, both are real tokens, and
     ``pos_i - pos_j < window or pos_j < sink_tokens or groups(q_i) ∩ groups(k_j) ≠ ∅``; with ``centering`` the groups
-    are those of the mean-removed vectors (:class:`~focus_flex.routing.Centering`).
+    are those of the mean-removed vectors (:class:`~focus_flex.routing.Centering`). With ``config.dense_decode``, the
+    queries of a decode step (Lq <= ``DECODE_MAX_QUERIES``) may attend every earlier real key.
     """
     valid = check_inputs(q, k, k, centroids, config, attention_mask)
     lq, lk, hq = q.shape[2], k.shape[2], q.shape[1]
+    pos = token_positions(valid)
+    q_pos, q_valid = pos[:, lk - lq:], valid[:, lk - lq:]
+    idx = torch.arange(lk, device=k.device)
+    causal = idx[None, :] <= idx[lk - lq:, None]  # [Lq, Lk]
+    real = (q_valid[:, :, None] & valid[:, None, :] & causal)[:, None]  # [B, 1, Lq, Lk]
+    if dense_decode(config, lq):
+        return real.expand(-1, hq, -1, -1)
     q_route, k_route = routed(q, k, valid, centering)
     if q_member is None:
         q_member = routing.hard_membership(q_route, centroids, config.query_top_k)
     if k_member is None:
         k_member = routing.hard_membership(k_route, centroids, config.key_top_k)
     k_member = k_member.repeat_interleave(hq // k.shape[1], dim=1)
-    pos = token_positions(valid)
-    q_pos, q_valid = pos[:, lk - lq:], valid[:, lk - lq:]
-    idx = torch.arange(lk, device=k.device)
-    causal = idx[None, :] <= idx[lk - lq:, None]  # [Lq, Lk]
     same = (q_member[..., :, None] & k_member[..., None, :]) != 0  # [B, Hq, Lq, Lk]
-    real = (q_valid[:, :, None] & valid[:, None, :] & causal)[:, None]
     return real & (near_pairs(q_pos, pos, config)[:, None] | same)
 
 
@@ -123,6 +128,20 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centr
     mask = focus_pattern(q, k, centroids, config, attention_mask=attention_mask, centering=centering)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float,
+                     q_slots: torch.Tensor | None = None) -> torch.Tensor:
+    """A decode step under ``config.dense_decode``: queries ``[B, Hq, Lq, D]`` at key slots ``q_slots [Lq]`` (default:
+    the last Lq of the Lk keys) attend every real key (``valid [B, Lk]``) at or before their slot; the rows of
+    queries that are not real tokens are zeros. One masked SDPA, no host synchronisation."""
+    lk, lq = k.shape[2], q.shape[2]
+    slots = torch.arange(lk, device=k.device)
+    q_slots = slots[lk - lq:] if q_slots is None else q_slots
+    q_valid = valid.index_select(1, q_slots)  # [B, Lq]
+    mask = (valid[:, None, :] & (slots <= q_slots[:, None]) & q_valid[:, :, None])[:, None]  # [B, 1, Lq, Lk]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.masked_fill(~q_valid[:, None, :, None], 0.0)
 
 
 def attention_weights(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, config: FocusConfig, *,
@@ -460,12 +479,12 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
     the CPU flash kernel (``"flash"``, :mod:`focus_flex.flash`: faster on CPU, docs/speed.md); None picks
     ``"flash"`` on CPU where it applies (query or key top-k 1), else ``"flex"``. ``"flex"`` runs any number of
     queries (a decode step too) through :func:`flex_prefill` unless a ``key_index`` is given.
-    Decode (Lq <= 16) otherwise gathers the allowed keys (window + sinks + same-group keys): ``key_index``
-    (:class:`~focus_flex.decode.KeyIndex`) is the key routing a KV cache already computed for exactly these keys;
-    with it and no padding, decode reads its per-group key lists and costs O(selected keys); otherwise decode is
-    O(Lk); a ``key_index`` must have routed its keys with the same ``centering``. Decode with a KV cache on the device
-    path is :mod:`focus_flex.cache`. The CPU decode, the flash kernel
-    and gradients run outside any ``torch.compile`` graph (one graph break).
+    Decode (Lq <= 16) with ``config.dense_decode`` is :func:`decode_attention`; else it gathers the allowed keys
+    (window + sinks + same-group keys): ``key_index`` (:class:`~focus_flex.decode.KeyIndex`) is the key routing a KV
+    cache already computed for exactly these keys; with it and no padding, decode reads its per-group key lists and
+    costs O(selected keys); otherwise decode is O(Lk); a ``key_index`` must have routed its keys with the same
+    ``centering``. Decode with a KV cache on the device path is :mod:`focus_flex.cache`. The CPU decode, the flash
+    kernel and gradients run outside any ``torch.compile`` graph (one graph break).
     Gradients reach q, k and v (not the centroids: hard routing) and are exact, at dense cost: the kernels
     merge through log-sum-exps that carry none, so the backward differentiates :func:`reference_attention`.
     To train the centroids use :func:`soft_attention`.
@@ -475,6 +494,9 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
     if key_index is not None and key_index.shape != k.shape[:3]:
         raise ValueError(f"key_index routes keys [B, Hkv, Lk] = {key_index.shape}, but k is "
                          f"{tuple(k.shape[:3])}")
+    if dense_decode(config, q.shape[2]):
+        valid = check_inputs(q, k, v, centroids, config, attention_mask)
+        return decode_attention(q, k, v, valid, q.shape[-1] ** -0.5 if scale is None else scale)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     flex = (kernel or default_kernel(q.device, config)) == "flex"
     if flex and not grad and q.dim() == 4 and (key_index is None or q.shape[2] > DECODE_MAX_QUERIES):  # traceable

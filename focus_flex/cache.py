@@ -113,8 +113,9 @@ def cached_attention(layer: FocusStaticLayer | FocusDynamicLayer, q: torch.Tenso
     """Focus attention of the new queries ``[B, Hq, Lq, D]`` through a Focus cache layer whose ``update`` has just
     returned ``k``/``v`` (the whole buffer of a static layer, ``[B, Hkv, max_cache_len, D]``). The new keys go into
     the layer's pool; one query per row (a decode step) attends through it (:meth:`GroupPool.attend`); more (a
-    prefill) run :func:`~focus_flex.attention.focus_attention` on the cache's tokens with ``kernel``. ``centering``:
-    route mean-removed vectors (:class:`~focus_flex.routing.Centering`).
+    prefill) run :func:`~focus_flex.attention.focus_attention` on the cache's tokens with ``kernel``. With
+    ``config.dense_decode`` no pool is kept and a decode step is :func:`~focus_flex.attention.decode_attention` over
+    the buffer. ``centering``: route mean-removed vectors (:class:`~focus_flex.routing.Centering`).
     """
     b, hq, lq, d = q.shape
     dev, static = q.device, isinstance(layer, FocusStaticLayer)
@@ -137,6 +138,14 @@ def cached_attention(layer: FocusStaticLayer | FocusDynamicLayer, q: torch.Tenso
         pos = (slots.expand(b, -1) if valid is None else token_positions(valid[:, :k.shape[2]]))
         return centering.keys(x, pos.index_select(1, index) if isinstance(index, torch.Tensor) else pos[:, index])
 
+    if config.dense_decode:  # the pool serves only Focus decode steps: none is kept (it is rebuilt if needed)
+        layer.pool = None
+        if attention.dense_decode(config, lq):
+            slots = torch.arange(k.shape[2], device=dev)
+            held = (slots < end if static else slots >= 0).expand(b, -1)
+            held = held if valid is None else held & valid[:, :k.shape[2]]
+            return attention.decode_attention(q, k, v, held, scale, new if static else None)
+        return _prefill(q, k, v, centroids, config, valid, scale, kernel, centering, int(end) if static else None)
     pool = layer.pool
     if pool is None or (not static and k.shape[2] > pool.capacity):
         capacity = layer.max_cache_len if static else int(k.shape[2] * _CAPACITY_SLACK) + config.block_size
@@ -156,7 +165,15 @@ def cached_attention(layer: FocusStaticLayer | FocusDynamicLayer, q: torch.Tenso
     if lq == 1:
         q_route = q if centering is None else centering.queries(q, pos.clamp_min(0))
         return pool.attend(q, centroids, pos[:, 0], scale, q_route)
-    length = int(end) if static else k.shape[2]  # a prefill reads the tokens in order (host read: once per call)
+    return _prefill(q, k, v, centroids, config, valid, scale, kernel, centering, int(end) if static else None)
+
+
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor, config: FocusConfig,
+             valid: torch.Tensor | None, scale: float, kernel: str | None, centering: Centering | None,
+             length: int | None) -> torch.Tensor:
+    """More than one query per row: :func:`~focus_flex.attention.focus_attention` on the cache's first ``length``
+    tokens (None: all of ``k``; a static layer's length is read on the host, once per call)."""
+    length = k.shape[2] if length is None else length
     return attention.focus_attention(q, k[:, :, :length], v[:, :, :length], centroids, config,
                                      attention_mask=None if valid is None else valid[:, :length], scale=scale,
                                      kernel=kernel, centering=centering)

@@ -216,7 +216,7 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
     try:
         focus = FocusConfig(num_groups=args.groups, query_top_k=args.query_top_k, key_top_k=args.key_top_k,
                             window=args.window, sink_tokens=args.sinks, tau=args.tau, layers=args.layers,
-                            center=args.center)
+                            center=args.center, dense_decode=args.dense_decode)
         tc = TrainConfig(objective=args.objective, steps=args.steps, batch_size=args.batch_size,
                          seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, balance_weight=args.balance_weight,
                          query_samples=args.query_samples, repeats=args.repeats, repeat_span=args.repeat_span,
@@ -325,6 +325,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             except ValueError as e:
                 raise CliError(f"{flag} {value}: the adapter has {adapter.config.num_groups} groups per KV head; "
                                f"choose 1 to {adapter.config.num_groups} ({e}).") from e
+    if args.dense_decode is not None:
+        adapter.config.dense_decode = args.dense_decode
     if args.task == "passkey":
         return _eval_passkey(args, adapter)
     eval_source, eval_split = _eval_source(args, training=False)
@@ -483,6 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--layers", type=int, nargs="+", default=None, help="Focus layers (default: all full-attention)")
     f.add_argument("--center", action=argparse.BooleanOptionalAction, default=d.center,
                    help="route queries and keys with their head's mean removed (docs/passkey.md)")
+    f.add_argument("--dense-decode", action=argparse.BooleanOptionalAction, default=d.dense_decode,
+                   help="decode steps attend every earlier token: Focus for the prefill only (docs/passkey.md)")
     t = r.add_argument_group("training")
     c = DEFAULT_TRAIN
     t.add_argument("--objective", choices=["distill", "lm"], default=c.objective)
@@ -514,6 +518,8 @@ def build_parser() -> argparse.ArgumentParser:
     k = e.add_argument_group("routing at inference (the same centroids; more groups per token, more far pairs)")
     k.add_argument("--query-top-k", type=int, default=None, help="groups each query joins (default: the adapter's)")
     k.add_argument("--key-top-k", type=int, default=None, help="groups each key joins (default: the adapter's)")
+    k.add_argument("--dense-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode steps attend every earlier token (default: the adapter's; docs/passkey.md)")
     e.add_argument("--task", choices=["perplexity", "passkey"], default="perplexity",
                    help="perplexity on held-out text (default), or passkey retrieval (docs/passkey.md)")
     pk = e.add_argument_group("passkey retrieval (--task passkey)")

@@ -14,6 +14,7 @@ __version__ = "0.1.0"  # the library's version (pyproject.toml reads it from her
 CONFIG_NAME = "focus_config.json"  # not adapter_config.json: transformers hands that file to PEFT
 WEIGHTS_NAME = "focus_adapter.safetensors"
 MAX_GROUPS = 63  # group memberships are packed into one int64 bitmask per token
+DECODE_MAX_QUERIES = 16  # a forward of at most this many queries is a decode step (gathered keys; `dense_decode`)
 
 
 def cache_dir() -> Path:
@@ -33,7 +34,9 @@ class FocusConfig:
     ``(pos_i - pos_j < window) or (pos_j < sink_tokens) or groups(q_i) ∩ groups(k_j) ≠ ∅``,
     where positions count non-padded tokens and groups are the top-k centroids by cosine score. With ``center``,
     a vector is routed with its head's mean (before the rotary encoding, rotated to its position) removed
-    (:class:`focus_flex.routing.Centering`); the adapter then also holds those means.
+    (:class:`focus_flex.routing.Centering`); the adapter then also holds those means. With ``dense_decode``, the
+    queries of a decode step (a forward of at most ``DECODE_MAX_QUERIES`` queries) attend every earlier key:
+    Focus for the prefill only (as MInference does), and a decode step costs what full attention's does.
     """
 
     num_groups: int = 16
@@ -46,6 +49,7 @@ class FocusConfig:
     layers: list[int] | None = None  # None: every full-attention layer of the model
     sinkhorn_iters: int = 3
     center: bool = False  # route mean-removed queries and keys (the means are part of the adapter)
+    dense_decode: bool = False  # forwards of at most 16 queries (decode steps) attend every earlier key
     # Shape of the model the centroids belong to (filled in by `FocusAdapter.for_model`).
     num_layers: int | None = None
     num_kv_heads: int | None = None
@@ -90,6 +94,7 @@ class FocusConfig:
                 need(all(i < self.num_layers for i in self.layers),
                      f"layers={self.layers} has indices >= num_layers={self.num_layers}")
         need(isinstance(self.center, bool), f"center={self.center!r} must be true or false")
+        need(isinstance(self.dense_decode, bool), f"dense_decode={self.dense_decode!r} must be true or false")
         for name in ("num_layers", "num_kv_heads", "num_query_heads", "head_dim"):
             v = getattr(self, name)
             need(v is None or (is_int(v) and v >= 1), f"{name}={v!r} must be None or an int >= 1")

@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 from focus_flex import routing
 from focus_flex.adapter import FocusAdapter, has_focus
 from focus_flex.attention import default_kernel
+from focus_flex.config import DECODE_MAX_QUERIES
 from focus_flex.data import check_windows
 
 MODES = ("full", "focus", "soft", "window", "random")
@@ -125,16 +126,18 @@ def matching_pattern_window(far: torch.Tensor, n: int, sinks: int, density: floa
 
 
 @contextlib.contextmanager
-def window_only(model: nn.Module, window: int, sinks: int, layers: list[int] | None = None) -> Iterator[None]:
+def window_only(model: nn.Module, window: int, sinks: int, layers: list[int] | None = None, *,
+                dense_decode: bool = False) -> Iterator[None]:
     """While active, ``layers`` (default: all) attend only to the last ``window`` tokens and the first ``sinks``
-    (SDPA with a dense bool mask; positions are indices, so inputs must not be left-padded)."""
+    (SDPA with a dense bool mask; positions are indices, so inputs must not be left-padded); with ``dense_decode``,
+    decode steps (as :attr:`FocusConfig.dense_decode`) attend every earlier token."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        if layers is None or module.layer_idx in layers:
-            lq, lk = query.shape[2], key.shape[2]
+        lq, lk = query.shape[2], key.shape[2]
+        if (layers is None or module.layer_idx in layers) and not (dense_decode and lq <= DECODE_MAX_QUERIES):
             i = torch.arange(lk - lq, lk, device=query.device)[:, None]
             j = torch.arange(lk, device=query.device)[None, :]
             mask = (j <= i) & ((i - j < window) | (j < sinks))

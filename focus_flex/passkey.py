@@ -20,7 +20,8 @@ Protocol (Mohtashami & Jaggi, 2023, adapted to an instruct model; docs/passkey.m
 * **Modes.** ``full``: the model's own attention. ``focus``: the adapter attached, hard routing (inference path,
   prefill and decode). ``window``: window + sinks only, the window set so that its density over ``length`` tokens
   matches ``focus``'s density measured on the prefills of the same haystack and length
-  (:func:`focus_flex.evaluate.matching_window`).
+  (:func:`focus_flex.evaluate.matching_window`); with the adapter's ``dense_decode``, window-only's decode steps
+  attend every earlier token too.
 """
 
 from __future__ import annotations
@@ -299,7 +300,7 @@ def _run(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None, mode: s
         cfg = adapter.config
         focus = [r.density for r in results if r.mode == "focus" and (r.haystack, r.length) == (haystack, length)]
         w = matching_window(length, cfg.sink_tokens, sum(focus) / len(focus))
-        with window_only(model, w, cfg.sink_tokens, cfg.layers):
+        with window_only(model, w, cfg.sink_tokens, cfg.layers, dense_decode=cfg.dense_decode):
             answer = greedy_answer(model, tokenizer, prompt.input_ids)
         density = window_density(length, w, cfg.sink_tokens)
     results.append(PasskeyResult(mode, haystack, length, depth, number, prompt.key, answer,
