@@ -316,17 +316,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
         _check_passkey_flags(args)
     else:
         _check_modes(args.modes)
-    for flag, field in (("--query-top-k", "query_top_k"), ("--key-top-k", "key_top_k")):
+    for flag, field in (("--query-top-k", "query_top_k"), ("--key-top-k", "key_top_k"), ("--window", "window"),
+                        ("--dense-decode", "dense_decode")):
         value = getattr(args, field)
         if value is not None:
             setattr(adapter.config, field, value)
             try:
                 adapter.config.validate()
             except ValueError as e:
-                raise CliError(f"{flag} {value}: the adapter has {adapter.config.num_groups} groups per KV head; "
-                               f"choose 1 to {adapter.config.num_groups} ({e}).") from e
-    if args.dense_decode is not None:
-        adapter.config.dense_decode = args.dense_decode
+                hint = f"the adapter has {adapter.config.num_groups} groups per KV head; choose 1 to " \
+                    f"{adapter.config.num_groups}" if field.endswith("top_k") else "choose a window >= 1 token"
+                raise CliError(f"{flag} {value}: {hint} ({e}).") from e
     if args.task == "passkey":
         return _eval_passkey(args, adapter)
     eval_source, eval_split = _eval_source(args, training=False)
@@ -518,6 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
     k = e.add_argument_group("routing at inference (the same centroids; more groups per token, more far pairs)")
     k.add_argument("--query-top-k", type=int, default=None, help="groups each query joins (default: the adapter's)")
     k.add_argument("--key-top-k", type=int, default=None, help="groups each key joins (default: the adapter's)")
+    k.add_argument("--window", type=int, default=None, help="sliding window (tokens; default: the adapter's)")
     k.add_argument("--dense-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="decode steps attend every earlier token (default: the adapter's; docs/passkey.md)")
     e.add_argument("--task", choices=["perplexity", "passkey"], default="perplexity",

@@ -83,6 +83,16 @@ def test_retrofit_then_eval(tiny, tmp_path, capsys):
     assert card.index(extra["command"]) < card.index("# then evaluated with:") < card.index("--key-top-k 2")
     assert main(["eval", str(adapter_dir), "--key-top-k", "5", "--no-progress"]) == 2
     assert "--key-top-k 5: the adapter has 4 groups" in capsys.readouterr().err
+    # A narrower window and dense decode steps: fewer pairs in the prefill, and the saved copy says so.
+    narrower = tmp_path / "eval-w4"
+    assert main(["eval", str(adapter_dir), "--model", str(tiny / "model"), "--data", str(tiny / "eval"),
+                 "--context", "64", "--eval-windows", "1", "--modes", "focus", "--window", "4", "--dense-decode",
+                 "--output-dir", str(narrower), "--no-progress"]) == 0
+    assert json.loads((narrower / RESULTS_JSON).read_text())["results"][0]["density"] < results["results"][1]["density"]
+    config = FocusAdapter.from_pretrained(str(narrower)).config
+    assert config.window == 4 and config.dense_decode and not adapter.config.dense_decode
+    assert main(["eval", str(adapter_dir), "--window", "0", "--no-progress"]) == 2
+    assert "--window 0: choose a window >= 1 token" in capsys.readouterr().err
     for flags, message in ((["--modes"], "--modes needs at least one"), (["--eval-windows", "0"], "must be >= 1"),
                            (["--device", "banana"], "--device 'banana' cannot be used")):
         assert main(["eval", str(adapter_dir), "--model", "/nonexistent", *flags, "--no-progress"]) == 2
