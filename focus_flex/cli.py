@@ -393,7 +393,7 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
                                 args.haystacks, modes, seed=args.seed, progress=not args.no_progress)
     meta = {"command": command, "adapter": args.adapter, "focus_config": adapter.config.to_dict(),
             "cpu": _cpu_name()}
-    paths = save_passkey(out, results, meta, passkey_protocol(args.dtype))
+    paths = save_passkey(out, results, meta, passkey_protocol(args.dtype, adapter.config.dense_decode))
     # The evaluated copy of the adapter: its card shows the retrieval table and heatmaps next to its perplexity.
     extra = adapter.config.extra
     made = extra.setdefault("trained_with", extra.get("command"))

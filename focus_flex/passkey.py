@@ -479,10 +479,12 @@ def save_passkey(directory: str, results: list[PasskeyResult], meta: dict[str, A
     return paths
 
 
-def passkey_protocol(dtype: str) -> str:
-    """One paragraph describing the protocol, for the reports."""
+def passkey_protocol(dtype: str, dense_decode: bool = False) -> str:
+    """One paragraph describing the protocol, for the reports (``dense_decode``: the adapter's setting)."""
+    decode = (" Generation steps attend every token in both (`dense_decode`); the density counts the prefill."
+              if dense_decode else "")
     return ("Passkey retrieval: a 5-digit key in the needle \"" + NEEDLE.format(key="NNNNN").strip() + "\" at the "
             "given depth of the haystack (`filler`: \"" + FILLER + "\" repeated; `prose`: excerpts of the shipped "
             "held-out books), the whole prompt in the model's chat template with the answer started as \""
             + ANSWER_PREFIX + "\"; correct iff greedy decoding's first number is the key; " + dtype + ". Window-only: "
-            "window + sinks at focus's density measured on the same prompts.")
+            "window + sinks at focus's density measured on the same prompts." + decode)
