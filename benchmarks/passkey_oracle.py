@@ -9,8 +9,9 @@ dense SDPA with the pattern as mask) plus one kind of extra pairs:
 * ``tail`` — as ``decode``, and the prompt's last ``--tail`` tokens (the question and the answer's start) too;
 * ``needle`` — every query attends the needle's tokens.
 
-A variant that recovers the keys says which queries lose them. Nothing here changes the library: the extra pairs
-are added by wrapping :func:`focus_flex.attention.reference_attention` for the duration of the run.
+A variant that recovers the keys says which queries lose them. ``--layers`` keeps Focus in those layers only (the
+others attend fully): which layers' patterns lose them. Nothing here changes the library: the extra pairs are added
+by wrapping :func:`focus_flex.attention.reference_attention` for the duration of the run.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 import focus_flex.adapter
 from benchmarks.bench import machine_info
-from focus_flex import FocusAdapter
+from focus_flex import FocusAdapter, FocusConfig
 from focus_flex.attention import focus_pattern
 from focus_flex.models import load_model
 from focus_flex.passkey import build_prompt, greedy_answer, load_passkey, score
@@ -52,6 +53,18 @@ def extra_pairs(variant: str, prompt_len: int, needle: tuple[int, int], tail: in
         yield
 
 
+def layer_subset(adapter: FocusAdapter, layers: list[int]) -> FocusAdapter:
+    """The same centroids (and means) on ``layers`` only, a subset of the adapter's Focus layers."""
+    missing = sorted(set(layers) - set(adapter.slot))
+    if missing:
+        raise SystemExit(f"--layers {missing}: not Focus layers of the adapter ({adapter.config.layers})")
+    slots = [adapter.slot[layer] for layer in sorted(layers)]
+    config = FocusConfig.from_dict({**adapter.config.to_dict(), "layers": sorted(layers)})
+    means = {} if not config.center else {"query_means": adapter.query_means.detach()[slots],
+                                          "key_means": adapter.key_means.detach()[slots]}
+    return FocusAdapter(config, adapter.centroids.detach()[slots], **means)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--adapter", default="hub/smollm2-135m-instruct-focus-retrieval")
@@ -59,11 +72,15 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--tail", type=int, default=24, help="prompt tokens the tail variant adds")
+    parser.add_argument("--layers", type=int, nargs="+", default=None,
+                        help="Focus in these layers only, full attention in the others (default: all)")
     args = parser.parse_args()
     print(" | ".join(f"{k}: {v}" for k, v in machine_info().items()))
     model, tokenizer = load_model()
     model.eval()
     adapter = FocusAdapter.from_pretrained(args.adapter)
+    if args.layers is not None:
+        adapter = layer_subset(adapter, args.layers)
     solved = [r for r in load_passkey(args.full_results) if r.mode == "full" and r.correct and r.length in args.lengths]
     if not solved:
         raise SystemExit(f"full attention retrieves no key at lengths {args.lengths} in {args.full_results}")
@@ -82,7 +99,8 @@ def main() -> None:
             print(f"{variant:6s} {r.haystack:6s} {r.length:5d} {r.depth:3d}% key {r.key_number} {r.key}: {answer!r} "
                   f"{'correct' if correct else 'wrong'} ({time.perf_counter() - t0:.0f} s)", flush=True)
         totals[variant] = f"{hits}/{len(solved)}"
-    print("keys full attention retrieves, retrieved by the adapter plus:", totals)
+    print(f"keys full attention retrieves, retrieved by the adapter (Focus layers {adapter.config.layers}) plus:",
+          totals)
 
 
 if __name__ == "__main__":

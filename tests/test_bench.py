@@ -109,3 +109,32 @@ def test_decode_fit_separates_fixed_and_per_token_costs():
     assert fit["focus"]["fixed"] == pytest.approx(0.080) and fit["focus"]["per_1k"] == pytest.approx(0.001)
     assert fit["sdpa"]["fixed"] == pytest.approx(0.050) and fit["sdpa"]["per_1k"] == pytest.approx(0.006)
     assert bench.decode_fit([row(8192, 88, 98)]) is None
+
+
+def test_passkey_oracle_layer_subset_is_focus_in_those_layers_only():
+    """``passkey_oracle --layers``: the adapter's own centroids and means on the chosen layers; the model attends
+    fully elsewhere (a tiny Llama: the subset's forward equals Focus in layer 1 and nothing in layer 0)."""
+    import torch
+    from test_adapter import ids, tiny
+
+    from benchmarks.passkey_oracle import layer_subset
+    from focus_flex import FocusAdapter, FocusConfig
+
+    model = tiny("llama")
+    adapter = FocusAdapter.for_model(model, FocusConfig(num_groups=4, window=8, sink_tokens=2, center=True), seed=3)
+    adapter.query_means.data.normal_()
+    adapter.key_means.data.normal_()
+    sub = layer_subset(adapter, [1])
+    assert sub.config.layers == [1] and torch.equal(sub.centroids, adapter.centroids[1:])
+    assert torch.equal(sub.key_means, adapter.key_means[1:]) and torch.equal(sub.query_means, adapter.query_means[1:])
+    x = ids(1, 60)
+    with torch.no_grad():
+        full = model(x).logits
+        sub.attach(model)
+        partial = model(x).logits
+        sub.detach(model)
+        adapter.attach(model)
+        both = model(x).logits
+    assert (partial - full).abs().max() > 1e-4 and (partial - both).abs().max() > 1e-4
+    with pytest.raises(SystemExit, match="not Focus layers"):
+        layer_subset(sub, [0])
