@@ -5,7 +5,8 @@ For every prompt that full attention answers correctly in ``--full-results`` (a 
 dense SDPA with the pattern as mask) plus one kind of extra pairs:
 
 * ``none`` — nothing added: the adapter as it is;
-* ``decode`` — the generation steps (queries of forwards over a KV cache) attend every earlier token;
+* ``decode`` — the generation steps attend every earlier token: the library's ``FocusConfig.dense_decode``, run on
+  the fast path;
 * ``tail`` — as ``decode``, and the prompt's last ``--tail`` tokens (the question and the answer's start) too;
 * ``needle`` — every query attends the needle's tokens.
 
@@ -36,19 +37,23 @@ VARIANTS = ("none", "decode", "tail", "needle")
 
 @contextlib.contextmanager
 def extra_pairs(variant: str, prompt_len: int, needle: tuple[int, int], tail: int):
-    """The reference path with ``variant``'s pairs allowed on top of the Focus pattern."""
+    """The reference path with ``variant``'s pairs allowed on top of the Focus pattern (``tail``, ``needle``); the
+    others run the library as it is."""
 
     def attention(q, k, v, centroids, config, *, attention_mask=None, scale=None, centering=None):
         mask = focus_pattern(q, k, centroids, config, attention_mask=attention_mask, centering=centering)
         lq, lk = q.shape[2], k.shape[2]
         rows, cols = torch.arange(lk - lq, lk)[:, None], torch.arange(lk)[None, :]
         causal = cols <= rows
-        if variant in ("decode", "tail"):
-            mask = mask | ((rows >= prompt_len - (tail if variant == "tail" else 0)) & causal)
+        if variant == "tail":
+            mask = mask | ((rows >= prompt_len - tail) & causal)
         elif variant == "needle":
             mask = mask | ((cols >= needle[0]) & (cols < needle[1]) & causal)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
+    if variant not in ("tail", "needle"):
+        yield
+        return
     with mock.patch.object(focus_flex.adapter, "reference_attention", attention):
         yield
 
@@ -84,10 +89,11 @@ def main() -> None:
     solved = [r for r in load_passkey(args.full_results) if r.mode == "full" and r.correct and r.length in args.lengths]
     if not solved:
         raise SystemExit(f"full attention retrieves no key at lengths {args.lengths} in {args.full_results}")
-    adapter.mode = "reference"
     adapter.attach(model)
     totals = {}
     for variant in args.variants:
+        adapter.mode = "fast" if variant in ("none", "decode") else "reference"  # the others patch the reference
+        adapter.config.dense_decode = variant == "decode"
         hits = 0
         for r in solved:
             prompt = build_prompt(tokenizer, r.length, r.depth, r.key, r.haystack, r.key_number)
