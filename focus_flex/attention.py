@@ -87,9 +87,10 @@ def near_pairs(q_pos: torch.Tensor, k_pos: torch.Tensor, config: FocusConfig) ->
     return ((q_pos[..., :, None] - k_pos[..., None, :]) < config.window) | (k_pos < config.sink_tokens)[..., None, :]
 
 
-def dense_decode(config: FocusConfig, lq: int) -> bool:
-    """Whether a forward of ``lq`` queries is a decode step that ``config.dense_decode`` leaves to full attention."""
-    return config.dense_decode and lq <= DECODE_MAX_QUERIES
+def dense_decode(enabled: bool, lq: int) -> bool:
+    """Whether a forward of ``lq`` queries is a decode step that dense decode (``enabled``, as
+    ``FocusConfig.dense_decode``) leaves to full attention."""
+    return enabled and lq <= DECODE_MAX_QUERIES
 
 
 def focus_pattern(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, config: FocusConfig, *,
@@ -109,7 +110,7 @@ def focus_pattern(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, con
     idx = torch.arange(lk, device=k.device)
     causal = idx[None, :] <= idx[lk - lq:, None]  # [Lq, Lk]
     real = (q_valid[:, :, None] & valid[:, None, :] & causal)[:, None]  # [B, 1, Lq, Lk]
-    if dense_decode(config, lq):
+    if dense_decode(config.dense_decode, lq):
         return real.expand(-1, hq, -1, -1)
     q_route, k_route = routed(q, k, valid, centering)
     if q_member is None:
@@ -494,7 +495,7 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
     if key_index is not None and key_index.shape != k.shape[:3]:
         raise ValueError(f"key_index routes keys [B, Hkv, Lk] = {key_index.shape}, but k is "
                          f"{tuple(k.shape[:3])}")
-    if dense_decode(config, q.shape[2]):
+    if dense_decode(config.dense_decode, q.shape[2]):
         valid = check_inputs(q, k, v, centroids, config, attention_mask)
         return decode_attention(q, k, v, valid, q.shape[-1] ** -0.5 if scale is None else scale)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)

@@ -140,10 +140,10 @@ def cached_attention(layer: FocusStaticLayer | FocusDynamicLayer, q: torch.Tenso
 
     if config.dense_decode:  # the pool serves only Focus decode steps: none is kept (it is rebuilt if needed)
         layer.pool = None
-        if attention.dense_decode(config, lq):
-            slots = torch.arange(k.shape[2], device=dev)
-            held = (slots < end if static else slots >= 0).expand(b, -1)
-            held = held if valid is None else held & valid[:, :k.shape[2]]
+        if attention.dense_decode(config.dense_decode, lq):
+            held = real(slice(0, k.shape[2]))  # [B, slots]; a static buffer holds tokens only before its length
+            if static:
+                held = held & (torch.arange(k.shape[2], device=dev) < end)
             return attention.decode_attention(q, k, v, held, scale, new if static else None)
         return _prefill(q, k, v, centroids, config, valid, scale, kernel, centering, int(end) if static else None)
     pool = layer.pool

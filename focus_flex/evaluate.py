@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 from focus_flex import routing
 from focus_flex.adapter import FocusAdapter, has_focus
 from focus_flex.attention import default_kernel
-from focus_flex.config import DECODE_MAX_QUERIES
+from focus_flex.attention import dense_decode as dense_decode_step
 from focus_flex.data import check_windows
 
 MODES = ("full", "focus", "soft", "window", "random")
@@ -137,7 +137,7 @@ def window_only(model: nn.Module, window: int, sinks: int, layers: list[int] | N
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         lq, lk = query.shape[2], key.shape[2]
-        if (layers is None or module.layer_idx in layers) and not (dense_decode and lq <= DECODE_MAX_QUERIES):
+        if (layers is None or module.layer_idx in layers) and not dense_decode_step(dense_decode, lq):
             i = torch.arange(lk - lq, lk, device=query.device)[:, None]
             j = torch.arange(lk, device=query.device)[None, :]
             mask = (j <= i) & ((i - j < window) | (j < sinks))

@@ -144,6 +144,21 @@ def test_decode_steps_never_wait_for_the_host(monkeypatch):
             f"{type(layer).__name__}: {dict(syncs.ops)} {dict(reads.ops)}"
 
 
+def compiled_decode_steps(layer, cfg, c, q, k, v, steps):
+    """Decode steps ``t`` in ``steps`` through ``layer`` (its prefill done), each one call of a function compiled with
+    ``fullgraph=True`` (cache update and attention): the outputs ``(t, out)``, once no step recompiled."""
+
+    def step(q1, k1, v1):
+        keys, values = layer.update(k1, v1)
+        return cached_attention(layer, q1, keys, values, c, cfg, None, None, "flex")
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    outs = [(t, compiled(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1])) for t in steps]
+    assert counter.frame_count == 1, "a decode step recompiled"
+    return outs
+
+
 def test_decode_step_compiles_whole_without_recompiling():
     """One decode step of a Focus layer (cache update, routing, the pool's writes, the block mask, the flex call)
     under torch.compile(fullgraph=True): one graph for every step."""
@@ -152,18 +167,9 @@ def test_decode_step_compiles_whole_without_recompiling():
     layer = FocusStaticLayer(max_cache_len=112)
     keys, values = layer.update(k[:, :, :60], v[:, :, :60])
     cached_attention(layer, q[:, :, :60], keys, values, c, cfg, None, None, "flex")  # the prefill, eager
-
-    def step(q1, k1, v1):
-        keys, values = layer.update(k1, v1)
-        return cached_attention(layer, q1, keys, values, c, cfg, None, None, "flex")
-
-    counter = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(step, backend=counter, fullgraph=True)
-    for t in range(60, 66):
-        out = compiled(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1])
+    for t, out in compiled_decode_steps(layer, cfg, c, q, k, v, range(60, 66)):
         ref = reference_attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], c, cfg)
         assert max_diff(out, ref) <= 1e-5
-    assert counter.frame_count == 1, "a decode step recompiled"
 
 
 TINY_CFG = FocusConfig(num_groups=4, query_top_k=2, window=8, sink_tokens=2, block_size=16)

@@ -7,9 +7,8 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
-from test_cache import HostReads
+from test_cache import HostReads, compiled_decode_steps
 from test_flex_core import HostSyncs, make, max_diff
-from torch._dynamo.testing import CompileCounterWithBackend
 
 from focus_flex import FocusAdapter, FocusConfig, focus_attention, reference_attention
 from focus_flex.attention import focus_pattern
@@ -109,17 +108,8 @@ def test_static_decode_step_compiles_whole_without_recompiling():
     layer = FocusStaticLayer(max_cache_len=80)
     keys, values = layer.update(k[:, :, :60], v[:, :, :60])
     cached_attention(layer, q[:, :, :60], keys, values, c, CFG, None, None, "flex")
-
-    def step(q1, k1, v1):
-        keys, values = layer.update(k1, v1)
-        return cached_attention(layer, q1, keys, values, c, CFG, None, None, "flex")
-
-    counter = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(step, backend=counter, fullgraph=True)
-    for t in range(60, 66):
-        out = compiled(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1])
+    for t, out in compiled_decode_steps(layer, CFG, c, q, k, v, range(60, 66)):
         assert max_diff(out, causal(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], None)[0]) <= 1e-5
-    assert counter.frame_count == 1, "a decode step recompiled"
 
 
 @torch.no_grad()
