@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 from tqdm.auto import tqdm
+from transformers import StoppingCriteria
 
 from focus_flex.adapter import FocusAdapter, has_focus
 from focus_flex.evaluate import RoutingMeter, matching_window, window_density, window_only
@@ -180,23 +181,28 @@ def score(answer: str, key: str) -> bool:
     return found is not None and found.group() == key
 
 
+class _FirstNumber(StoppingCriteria):
+    """Stops generation once the answer's first run of digits is complete (a non-digit follows it)."""
+
+    def __init__(self, tokenizer: Any, start: int):
+        self.tokenizer, self.start = tokenizer, start
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> bool:
+        return re.search(r"\d[^\d]", self.tokenizer.decode(input_ids[0, self.start:])) is not None
+
+
 @torch.no_grad()
 def greedy_answer(model: nn.Module, tokenizer: Any, input_ids: torch.Tensor,
                   max_new_tokens: int = MAX_NEW_TOKENS) -> str:
-    """Greedy continuation of ``input_ids [L]`` (KV cache), stopped after the first run of digits or at EOS."""
-    device = next(model.parameters()).device
-    out = model(input_ids=input_ids[None].to(device), use_cache=True)
-    new: list[int] = []
-    for _ in range(max_new_tokens):
-        token = int(out.logits[0, -1].argmax())
-        if token == tokenizer.eos_token_id:
-            break
-        new.append(token)
-        text = tokenizer.decode(new)
-        if re.search(r"\d[^\d]", text):  # the first number is complete
-            break
-        out = model(input_ids=torch.tensor([[token]], device=device), past_key_values=out.past_key_values,
-                    use_cache=True)
+    """Greedy continuation of ``input_ids [L]`` (``generate``, KV cache), stopped after the first run of digits or
+    at EOS (which is not part of the answer)."""
+    ids = input_ids[None].to(next(model.parameters()).device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         temperature=None, top_p=None, top_k=None, pad_token_id=tokenizer.eos_token_id,
+                         stopping_criteria=[_FirstNumber(tokenizer, ids.shape[1])])
+    new = out[0, ids.shape[1]:].tolist()
+    if tokenizer.eos_token_id in new:
+        new = new[:new.index(tokenizer.eos_token_id)]
     return tokenizer.decode(new)
 
 

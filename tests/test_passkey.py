@@ -89,6 +89,18 @@ def test_full_attention_retrieves_and_a_blind_window_does_not(smollm2):
     assert P.greedy_answer(model, tok, p.input_ids) == answer  # the model's own attention is back
 
 
+def test_greedy_answer_stops_after_the_first_number_without_deprecation_warnings(smollm2, recwarn):
+    """Decoding goes through ``generate`` (no deprecated cache arguments) and stops once the number is complete."""
+    model, tok = smollm2
+    p = P.build_prompt(tok, 256, 30, "58213", "filler")
+    answer = P.greedy_answer(model, tok, p.input_ids)
+    assert P.score(answer, "58213") and answer.rstrip().endswith(("58213.", "58213 .")), answer
+    short = P.greedy_answer(model, tok, p.input_ids, max_new_tokens=2)
+    assert answer.startswith(short) and 0 < len(tok.encode(short)) <= 2, short
+    assert not [w for w in recwarn if issubclass(w.category, (FutureWarning, DeprecationWarning))], \
+        [str(w.message) for w in recwarn]
+
+
 @pytest.mark.slow
 def test_eval_task_passkey_writes_table_json_and_heatmaps(tmp_path, capsys):
     out = tmp_path / "pk"
