@@ -325,7 +325,7 @@ class FocusAdapter(nn.Module):
         c.validate()
         shape = (len(c.layers), c.num_kv_heads, c.num_groups, c.head_dim)
         centered = self.key_means is not None
-        if shape != tuple(self.centroids.shape) or c.layers != list(self.slot) or c.center != centered:
+        if shape != tuple(self.centroids.shape) or c.layers != list(self.slot) or bool(c.center) != centered:
             raise ValueError(f"adapter.config describes centroids {shape} on layers {c.layers}, but the adapter holds "
                              f"{tuple(self.centroids.shape)} on layers {list(self.slot)}: on an adapter only the "
                              "routing may change (query_top_k, key_top_k, window, sink_tokens, tau, dense_decode); for "
@@ -336,10 +336,10 @@ class FocusAdapter(nn.Module):
 
     # ---- the attention call ------------------------------------------------------------------
     def centering(self, slot: int) -> Centering | None:
-        """How the layer in ``slot`` centers what it routes (None: ``config.center`` is off), with the rotary encoding
-        of the model the adapter is attached to (for another model: ``Centering(adapter.query_means[slot],
+        """How the layer in ``slot`` centers what it routes (None: not centered, ``config.centers``), with the rotary
+        encoding of the model the adapter is attached to (for another model: ``Centering(adapter.query_means[slot],
         adapter.key_means[slot], rotary_of(model))``)."""
-        if not self.config.center:
+        if not self.config.centers(self.config.layers[slot]):
             return None
         if self.query_means is None:
             raise ValueError("adapter.config.center is true but this adapter holds no query/key means: centering "
@@ -366,7 +366,7 @@ class FocusAdapter(nn.Module):
         if cache is None:
             return None
         cent, c, centering = self.centroids[slot].detach(), self.config, self.centering(slot)
-        routed_by = (c.num_groups, c.key_top_k, _version(self.centroids), c.center,
+        routed_by = (c.num_groups, c.key_top_k, _version(self.centroids), c.centers(c.layers[slot]),
                      None if self.key_means is None else _version(self.key_means))
         entry = self._key_index.get(slot)
         index = entry.index if entry is not None and entry.routed_by == routed_by else None

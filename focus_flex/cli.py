@@ -216,7 +216,8 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
     try:
         focus = FocusConfig(num_groups=args.groups, query_top_k=args.query_top_k, key_top_k=args.key_top_k,
                             window=args.window, sink_tokens=args.sinks, tau=args.tau, layers=args.layers,
-                            center=args.center, dense_decode=args.dense_decode)
+                            center=True if args.center == [] else args.center or False,
+                            dense_decode=args.dense_decode)
         tc = TrainConfig(objective=args.objective, steps=args.steps, batch_size=args.batch_size,
                          seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, balance_weight=args.balance_weight,
                          query_samples=args.query_samples, repeats=args.repeats, repeat_span=args.repeat_span,
@@ -483,8 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--sinks", type=int, default=d.sink_tokens, help="attention sink tokens")
     f.add_argument("--tau", type=float, default=d.tau, help="routing temperature (soft path sharpness)")
     f.add_argument("--layers", type=int, nargs="+", default=None, help="Focus layers (default: all full-attention)")
-    f.add_argument("--center", action=argparse.BooleanOptionalAction, default=d.center,
-                   help="route queries and keys with their head's mean removed (docs/passkey.md)")
+    f.add_argument("--center", type=int, nargs="*", metavar="LAYER", default=None,
+                   help="route queries and keys with their head's mean removed: in every Focus layer, or in the LAYERs "
+                        "given (docs/passkey.md)")
     f.add_argument("--dense-decode", action=argparse.BooleanOptionalAction, default=d.dense_decode,
                    help="decode steps attend every earlier token: Focus for the prefill only (docs/passkey.md)")
     t = r.add_argument_group("training")

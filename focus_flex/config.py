@@ -34,7 +34,8 @@ class FocusConfig:
     ``(pos_i - pos_j < window) or (pos_j < sink_tokens) or groups(q_i) ∩ groups(k_j) ≠ ∅``,
     where positions count non-padded tokens and groups are the top-k centroids by cosine score. With ``center``,
     a vector is routed with its head's mean (before the rotary encoding, rotated to its position) removed
-    (:class:`focus_flex.routing.Centering`); the adapter then also holds those means. With ``dense_decode``, the
+    (:class:`focus_flex.routing.Centering`), in every Focus layer (``True``) or in the layers listed; the adapter
+    then also holds those means. With ``dense_decode``, the
     queries of a decode step (a forward of at most ``DECODE_MAX_QUERIES`` queries) attend every earlier key:
     Focus for the prefill only (as MInference does), and a decode step costs what full attention's does.
     """
@@ -48,7 +49,7 @@ class FocusConfig:
     block_size: int = 64  # tile of the flex kernel's block masks: speed only, never the pattern (docs/speed.md)
     layers: list[int] | None = None  # None: every full-attention layer of the model
     sinkhorn_iters: int = 3
-    center: bool = False  # route mean-removed queries and keys (the means are part of the adapter)
+    center: bool | list[int] = False  # route mean-removed queries and keys: in every Focus layer, or in those listed
     dense_decode: bool = False  # forwards of at most 16 queries (decode steps) attend every earlier key
     # Shape of the model the centroids belong to (filled in by `FocusAdapter.for_model`).
     num_layers: int | None = None
@@ -93,11 +94,23 @@ class FocusConfig:
             if self.num_layers is not None:
                 need(all(i < self.num_layers for i in self.layers),
                      f"layers={self.layers} has indices >= num_layers={self.num_layers}")
-        need(isinstance(self.center, bool), f"center={self.center!r} must be true or false")
+        if isinstance(self.center, (list, tuple)):
+            need(all(is_int(i) and i >= 0 for i in self.center),
+                 f"center={self.center!r} must be true, false or a list of Focus layer indices")
+            self.center = sorted(set(self.center)) or False
+            if self.center and self.layers is not None:
+                need(set(self.center) <= set(self.layers),
+                     f"center={self.center} lists layers that are not Focus layers (layers={self.layers})")
+        need(isinstance(self.center, (bool, list)),
+             f"center={self.center!r} must be true, false or a list of Focus layer indices")
         need(isinstance(self.dense_decode, bool), f"dense_decode={self.dense_decode!r} must be true or false")
         for name in ("num_layers", "num_kv_heads", "num_query_heads", "head_dim"):
             v = getattr(self, name)
             need(v is None or (is_int(v) and v >= 1), f"{name}={v!r} must be None or an int >= 1")
+
+    def centers(self, layer: int) -> bool:
+        """Whether Focus layer ``layer`` routes mean-removed vectors (``center`` true, or listing it)."""
+        return self.center is True or (isinstance(self.center, list) and layer in self.center)
 
     # ---- JSON round trip -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -212,12 +212,10 @@ Centerings = dict[int, routing.Centering | None]  # adapter slot -> how it cente
 
 def centerings(adapter: FocusAdapter, model: nn.Module) -> Centerings:
     """Each slot's :class:`~focus_flex.routing.Centering` for q/k of ``model`` (views of the adapter's means, so later
-    changes to them show), or None per slot without ``config.center``."""
-    if not adapter.config.center:
-        return dict.fromkeys(adapter.slot.values())
-    rotary = rotary_of(model)
+    changes to them show), or None per slot whose layer is not centered (``config.centers``)."""
+    rotary = rotary_of(model) if adapter.config.center else None
     return {slot: routing.Centering(adapter.query_means[slot], adapter.key_means[slot], rotary)
-            for slot in adapter.slot.values()}
+            if adapter.config.centers(layer) else None for layer, slot in adapter.slot.items()}
 
 
 def routing_vectors(x: torch.Tensor, centering: routing.Centering | None, kind: str,
@@ -233,9 +231,14 @@ def routing_vectors(x: torch.Tensor, centering: routing.Centering | None, kind: 
 @torch.no_grad()
 def calibrate_means(adapter: FocusAdapter, qkv: QKV, model: nn.Module) -> None:
     """Centered routing: set each layer's per-head mean query and key *before* the rotary encoding (undone at each
-    token's position) to their means over the captured tokens ``qkv`` (positions ``0..L-1``)."""
+    token's position) to their means over the captured tokens ``qkv`` (positions ``0..L-1``); the layers that are not
+    centered keep zero means."""
     rotary = rotary_of(model)
     for layer, slot in adapter.slot.items():
+        if not adapter.config.centers(layer):
+            adapter.query_means[slot] = 0
+            adapter.key_means[slot] = 0
+            continue
         q, k = qkv[layer].q.float(), qkv[layer].k.float()
         if rotary is not None:
             cos, sin = rotary(torch.arange(q.shape[2], device=q.device)[None])

@@ -175,6 +175,51 @@ def test_centered_adapter_round_trips_and_is_checked(tmp_path):
         model(x)
 
 
+@pytest.mark.parametrize("kernel", [None, "flex"])
+@torch.no_grad()
+def test_centering_listed_layers_routes_those_centered_and_the_others_as_they_are(kernel):
+    """``center=[layer]``: that layer routes as a centered adapter's does, the others as an uncentered one's (the
+    same centroids), in the prefill and in cached decode; training calibrates means for the listed layers only."""
+    model = tiny("llama")
+    everywhere = centered_adapter(model)
+    listed = FocusAdapter(FocusConfig(**{**everywhere.config.to_dict(), "center": [1]}), everywhere.centroids,
+                          query_means=everywhere.query_means, key_means=everywhere.key_means)
+    # the independent construction: centered everywhere, with the means of layer 0 removed (x - R(p) 0 = x)
+    zero_mean = FocusAdapter(everywhere.config, everywhere.centroids, query_means=everywhere.query_means,
+                             key_means=everywhere.key_means)
+    zero_mean.query_means[0] = 0
+    zero_mean.key_means[0] = 0
+    plain = FocusAdapter(FocusConfig(**{**everywhere.config.to_dict(), "center": False}), everywhere.centroids)
+    x, prompt = ids(), ids(2, 40)
+    logits, generated = {}, {}
+    for name, adapter in (("listed", listed), ("zero_mean", zero_mean), ("everywhere", everywhere), ("plain", plain)):
+        adapter.attach(model)
+        adapter.kernel = kernel
+        logits[name] = model(x).logits
+        generated[name] = model.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        adapter.detach(model)
+    assert maxdiff(logits["listed"], logits["zero_mean"]) <= 1e-5
+    assert torch.equal(generated["listed"], generated["zero_mean"])
+    assert maxdiff(logits["listed"], logits["everywhere"]) > 1e-3 and maxdiff(logits["listed"], logits["plain"]) > 1e-3
+    assert [c is None for c in centerings(listed, model).values()] == [True, False]
+    calibrate_means(listed, teacher_qkv(model, ids(1, 60, seed=7)), model)
+    assert not listed.key_means[0].any() and not listed.query_means[0].any() and listed.key_means[1].any()
+
+
+def test_center_layers_round_trip_and_are_checked(tmp_path):
+    cfg = FocusConfig(layers=[2, 5, 7], center=[7, 2, 2])
+    assert cfg.center == [2, 7] and cfg.centers(2) and not cfg.centers(5)
+    cfg.save_pretrained(tmp_path)
+    assert FocusConfig.from_pretrained(tmp_path) == cfg
+    assert FocusConfig(center=[]).center is False and FocusConfig(center=True).centers(3)
+    with pytest.raises(ValueError, match="not Focus layers"):
+        FocusConfig(layers=[2, 5], center=[3])
+    with pytest.raises(ValueError, match="list of Focus layer indices"):
+        FocusConfig(center=["2"])
+    with pytest.raises(ValueError, match="list of Focus layer indices"):
+        FocusConfig(center="yes")
+
+
 def test_training_centerings_follow_the_adapter():
     model = tiny("llama")
     adapter = centered_adapter(model)

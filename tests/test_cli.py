@@ -99,15 +99,19 @@ def test_retrofit_then_eval(tiny, tmp_path, capsys):
         assert message in capsys.readouterr().err  # (before the model is looked for)
 
 
-def test_retrofit_centered_then_eval(tiny, tmp_path):
-    """--center: the adapter holds the calibrated means, evaluation routes with them, the card lists the setting."""
+@pytest.mark.parametrize("layers,center", [([], True), (["1"], [1])])
+def test_retrofit_centered_then_eval(tiny, tmp_path, layers, center):
+    """--center [LAYER ...]: the adapter holds the calibrated means (of the centered layers), evaluation routes with
+    them, the card lists the setting."""
     out = tmp_path / "run"
     model, held_out = ["--model", str(tiny / "model")], ["--eval-data", str(tiny / "eval")]
-    assert main(["retrofit", *model, "--data", str(tiny / "train"), *held_out, "--steps", "1", "--center",
+    assert main(["retrofit", *model, "--data", str(tiny / "train"), *held_out, "--steps", "1", "--center", *layers,
                  "--modes", "full", "focus", "--output-dir", str(out), *TINY]) == 0
     adapter = FocusAdapter.from_pretrained(str(out / "adapter"))
-    assert adapter.config.center and adapter.key_means.abs().max() > 0 and adapter.query_means.abs().max() > 0
-    assert "| `center` | `true` |" in (out / "adapter" / "README.md").read_text()
+    assert adapter.config.center == center
+    assert adapter.key_means[-1].abs().max() > 0 and adapter.query_means[-1].abs().max() > 0
+    assert bool(adapter.key_means[0].any()) == (center is True)
+    assert f"| `center` | `{json.dumps(center)}` |" in (out / "adapter" / "README.md").read_text()
     assert main(["eval", str(out / "adapter"), *model, *held_out, "--context", "64", "--eval-windows", "1",
                  "--modes", "focus", "--output-dir", str(tmp_path / "eval"), "--no-progress"]) == 0
     assert json.loads((tmp_path / "eval" / RESULTS_JSON).read_text())["results"][0]["density"] < 1
