@@ -188,6 +188,16 @@ def _evaluate_and_save(model: Any, adapter: Any, windows: torch.Tensor, args: ar
 # ---- retrofit ---------------------------------------------------------------------------------------
 
 
+def upper_half(model: torch.nn.Module, layers: list[int] | None) -> list[int]:
+    """retrofit's default centering: the Focus layers (``layers``, None: every full-attention layer) in the upper half
+    of the model. Measured on SmolLM2 (docs/passkey.md): uncentered groups, which follow position, serve the lower
+    layers' perplexity best, centered groups, which follow content, the upper layers'."""
+    from focus_flex.adapter import model_shape
+
+    shape = model_shape(model)
+    return [i for i in (shape.full_attention_layers if layers is None else layers) if i >= shape.num_layers // 2]
+
+
 def cmd_retrofit(args: argparse.Namespace) -> int:
     from focus_flex.adapter import FocusAdapter
     from focus_flex.train import (
@@ -244,6 +254,8 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
     if dev is not None:
         train_windows = torch.cat([train_windows[:dev], train_windows[dev + 1:]])
 
+    if args.center is None:
+        focus.center = upper_half(model, focus.layers)
     try:
         adapter = FocusAdapter.for_model(model, focus, seed=args.seed)
     except ValueError as e:
@@ -485,8 +497,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--tau", type=float, default=d.tau, help="routing temperature (soft path sharpness)")
     f.add_argument("--layers", type=int, nargs="+", default=None, help="Focus layers (default: all full-attention)")
     f.add_argument("--center", type=int, nargs="*", metavar="LAYER", default=None,
-                   help="route queries and keys with their head's mean removed: in every Focus layer, or in the LAYERs "
-                        "given (docs/passkey.md)")
+                   help="route queries and keys with their head's mean removed: in the LAYERs given, or without LAYER "
+                        "in every Focus layer (default: the Focus layers in the upper half of the model, groups by "
+                        "content there and by position below; docs/passkey.md)")
+    f.add_argument("--no-center", dest="center", action="store_const", const=False,
+                   help="route every layer's queries and keys as they are")
     f.add_argument("--dense-decode", action=argparse.BooleanOptionalAction, default=d.dense_decode,
                    help="decode steps attend every earlier token: Focus for the prefill only (docs/passkey.md)")
     t = r.add_argument_group("training")

@@ -99,18 +99,22 @@ def test_retrofit_then_eval(tiny, tmp_path, capsys):
         assert message in capsys.readouterr().err  # (before the model is looked for)
 
 
-@pytest.mark.parametrize("layers,center", [([], True), (["1"], [1])])
-def test_retrofit_centered_then_eval(tiny, tmp_path, layers, center):
-    """--center [LAYER ...]: the adapter holds the calibrated means (of the centered layers), evaluation routes with
-    them, the card lists the setting."""
+@pytest.mark.parametrize("flags,center", [([], [1]), (["--center"], True), (["--center", "0"], [0]),
+                                          (["--no-center"], False)])
+def test_retrofit_centered_then_eval(tiny, tmp_path, flags, center):
+    """--center [LAYER ...] (default: the upper half of the layers, here layer 1 of 2): the adapter holds the
+    calibrated means of the centered layers, evaluation routes with them, the card lists the setting."""
     out = tmp_path / "run"
     model, held_out = ["--model", str(tiny / "model")], ["--eval-data", str(tiny / "eval")]
-    assert main(["retrofit", *model, "--data", str(tiny / "train"), *held_out, "--steps", "1", "--center", *layers,
+    assert main(["retrofit", *model, "--data", str(tiny / "train"), *held_out, "--steps", "1", *flags,
                  "--modes", "full", "focus", "--output-dir", str(out), *TINY]) == 0
     adapter = FocusAdapter.from_pretrained(str(out / "adapter"))
     assert adapter.config.center == center
-    assert adapter.key_means[-1].abs().max() > 0 and adapter.query_means[-1].abs().max() > 0
-    assert bool(adapter.key_means[0].any()) == (center is True)
+    if center is False:
+        assert adapter.key_means is None
+    else:
+        assert [bool(adapter.key_means[i].any()) for i in (0, 1)] == [adapter.config.centers(i) for i in (0, 1)]
+        assert [bool(adapter.query_means[i].any()) for i in (0, 1)] == [adapter.config.centers(i) for i in (0, 1)]
     assert f"| `center` | `{json.dumps(center)}` |" in (out / "adapter" / "README.md").read_text()
     assert main(["eval", str(out / "adapter"), *model, *held_out, "--context", "64", "--eval-windows", "1",
                  "--modes", "focus", "--output-dir", str(tmp_path / "eval"), "--no-progress"]) == 0
