@@ -470,7 +470,7 @@ def _add_common(p: argparse.ArgumentParser, training: bool) -> None:
     g.add_argument("--context", type=int, default=4096, help="evaluation context length in tokens")
     g.add_argument("--eval-windows", type=int, default=4, help="evaluation windows (evenly spaced, fixed)")
     g.add_argument("--modes", nargs="*", choices=MODES, default=list(MODES),
-                   help="what to evaluate (default: all five; none: skip evaluation)")
+                   help="what to evaluate (default: all five; --modes with no value: skip evaluation)")
     g.add_argument("--output-dir", default=None)
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
 

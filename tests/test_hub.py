@@ -662,22 +662,24 @@ def test_focus_adapter_for_another_base_model(hub_server, tmp_path):
         loaded.attach(tiny_llama("org/tiny-llama-mqa", num_key_value_heads=1))
 
 
-@pytest.mark.parametrize("name,flags,evaluated", [
-    ("smollm2-135m-instruct-focus", (), {"full", "focus", "soft", "window", "random"}),
-    ("smollm2-135m-instruct-focus-retrieval", ("--center", "--sinks 64"), {"full", "focus", "window", "random"})])
-def test_published_adapters_are_ready_to_push_repos(name, flags, evaluated):
-    """hub/: the adapters `focus-flex retrofit` trained (on the defaults; the retrieval one with --center and 64
-    sinks), each with its card: perplexity, then passkey retrieval with its heatmaps."""
+@pytest.mark.parametrize("name,flags,center,evaluated", [
+    ("smollm2-135m-instruct-focus", (), list(range(15, 30)), {"full", "focus", "soft", "window", "random"}),
+    ("smollm2-135m-instruct-focus-retrieval", ("--center", "--sinks 64"), True, {"full", "focus", "window", "random"})])
+def test_published_adapters_are_ready_to_push_repos(name, flags, center, evaluated):
+    """hub/: the adapters `focus-flex retrofit` trained (on the defaults, which center the upper half of the layers;
+    the retrieval one with --center, every layer, and 64 sinks), each with its card: perplexity, then passkey
+    retrieval with its heatmaps."""
     folder = os.path.join(os.path.dirname(__file__), os.pardir, "hub", name)
     config, table = hub.validate_adapter_folder(folder)
     adapter = FocusAdapter.from_pretrained(folder)
     assert config.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and config.model_type == "llama"
     d = DEFAULT_FOCUS  # made by `focus-flex retrofit` with its defaults, but for the flags
     assert (config.num_groups, config.query_top_k, config.key_top_k) == (d.num_groups, d.query_top_k, d.key_top_k)
-    assert config.center == ("--center" in flags) and config.sink_tokens == (64 if flags else d.sink_tokens)
+    assert config.center == center and config.sink_tokens == (64 if flags else d.sink_tokens)
     assert all(flag in config.extra["trained_with"] for flag in flags)
-    if config.center:  # calibrated means, saved with the centroids
-        assert table["key_means"]["shape"] == [30, 3, 64] and adapter.key_means.abs().max() > 0
+    # calibrated means of the centered layers, saved with the centroids (zeros for the others)
+    assert table["key_means"]["shape"] == [30, 3, 64]
+    assert [bool(adapter.key_means[i].any()) for i in range(30)] == [config.centers(i) for i in range(30)]
     assert list(adapter.centroids.shape) == table["centroids"]["shape"] == [30, 3, d.num_groups, 64]
     assert torch.allclose(adapter.centroids.norm(dim=-1), torch.ones(()), atol=1e-4)  # trained, unit-norm
     card = open(os.path.join(folder, "README.md"), encoding="utf-8").read()
@@ -687,7 +689,7 @@ def test_published_adapters_are_ready_to_push_repos(name, flags, evaluated):
     assert card.index("perplexity_vs_density.png") < card.index("## Long-range retrieval (passkey)")
     passkey = json.load(open(os.path.join(folder, "passkey.json"), encoding="utf-8"))
     # The retrieval adapter decodes densely; its card's retrieval table was measured so.
-    assert config.dense_decode == passkey["focus_config"].get("dense_decode", False) == config.center
+    assert config.dense_decode == passkey["focus_config"].get("dense_decode", False) == (center is True)
     passkey = passkey["results"]
     modes = {r["mode"] for r in passkey}
     assert {r["length"] for r in passkey} == {1024, 2048, 4096, 8192} and {"full", "focus"} <= modes
