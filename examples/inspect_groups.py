@@ -54,7 +54,7 @@ from focus_flex import FocusAdapter, FocusConfig, routing
 from focus_flex.attention import focus_pattern
 from focus_flex.data import load_documents, token_windows
 from focus_flex.models import load_model
-from focus_flex.train import capture_qkv
+from focus_flex.train import capture_qkv, centerings, routing_vectors
 
 out_dir = Path(OUTPUT_DIR)
 out_dir.mkdir(parents=True, exist_ok=True)
@@ -115,7 +115,8 @@ print(f"window {cfg.window}, sinks {cfg.sink_tokens}, top-k queries {cfg.query_t
 #
 # One ordinary forward pass (the model's own attention) records every layer's post-RoPE queries and keys
 # (`focus_flex.train.capture_qkv`); the routing scores are cosine similarities to the centroids,
-# `routing.scores(keys, centroids, tau)`.
+# `routing.scores(keys, centroids, tau)`, of the vectors each layer routes: the queries and keys themselves,
+# or, in the layers the adapter centers (`cfg.center`), with their head's mean removed.
 
 # %%
 layers = cfg.layers
@@ -125,6 +126,7 @@ docs = load_documents(DATA, SPLIT)
 windows = token_windows(docs, tokenizer, length, max_windows=WINDOWS)
 print(f"{len(windows)} windows of {length} tokens from {len(docs)} documents")
 
+center = centerings(adapter, model)  # slot -> how that layer centers what it routes (None: it does not)
 key_scores = {layer: [] for layer in cfg.layers}  # layer -> [scores [Hkv, L, G] per window]
 query_member = {layer: [] for layer in cfg.layers}  # layer -> [hard query groups, bitmask [Hq, L] per window]
 with torch.no_grad():
@@ -132,12 +134,15 @@ with torch.no_grad():
         with capture_qkv(model) as qkv:
             model(ids[None])
         for layer, slot in adapter.slot.items():
-            q, k = qkv[layer].q, qkv[layer].k
+            q = routing_vectors(qkv[layer].q, center[slot], "query")
+            k = routing_vectors(qkv[layer].k, center[slot], "key")
             cent = adapter.centroids[slot]
             key_scores[layer].append(routing.scores(k, cent, cfg.tau)[0])
             query_member[layer].append(routing.hard_membership(q, cent, cfg.query_top_k)[0])
         if len(key_scores[pattern_layer]) == 1:
             pattern_qk = qkv[pattern_layer][:2]  # the first window's queries and keys, for the picture below
+            pattern_route = [routing_vectors(x, center[adapter.slot[pattern_layer]], kind)  # and what it routes
+                             for x, kind in zip(pattern_qk, ("query", "key"), strict=True)]
 key_scores = {layer: torch.cat(s, dim=1) for layer, s in key_scores.items()}  # [Hkv, N, G]
 query_member = {layer: torch.cat(m, dim=1) for layer, m in query_member.items()}  # [Hq, N]
 tokens = windows.reshape(-1)  # token id of every routed position, same order as the scores
@@ -148,7 +153,7 @@ tokens = windows.reshape(-1)  # token id of every routed position, same order as
 # For a layer and KV head, a group's most typical tokens are those whose **key** vectors score highest
 # for its centroid (distinct tokens, best first). `share` is the fraction of all keys routed to the
 # group. Early layers tend to group by surface form (punctuation, function words, word pieces),
-# later layers by role and meaning; keys also carry position (RoPE), so some groups are
+# later layers by role and meaning; uncentered keys also carry position (RoPE), so some groups are
 # "the first tokens" or "line starts".
 
 # %%
@@ -236,15 +241,16 @@ scale = q.shape[-1] ** -0.5
 i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
 causal = j <= i
 weights = (q[0, h].float() @ k[0, kv].float().T * scale).masked_fill(~causal, float("-inf")).softmax(-1)
-pattern = focus_pattern(q, k, cent, cfg)[0, h]
+pattern = focus_pattern(q, k, cent, cfg, centering=center[adapter.slot[layer]])[0, h]
 local = causal & ((i - j < cfg.window) | (j < cfg.sink_tokens))
 kinds = local.long() + 2 * (pattern & ~local).long()  # 0 skipped, 1 window/sink, 2 same group
 
-q_member = routing.hard_membership(q, cent, cfg.query_top_k)[0, h]
-k_member = routing.hard_membership(k, cent, cfg.key_top_k)[0, kv]
+q_route, k_route = pattern_route
+q_member = routing.hard_membership(q_route, cent, cfg.query_top_k)[0, h]
+k_member = routing.hard_membership(k_route, cent, cfg.key_top_k)[0, kv]
 same_group = causal & ((q_member[:, None] & k_member[None, :]) != 0)
-q_group = routing.top_groups(routing.scores(q, cent, cfg.tau), 1)[0, h, :, 0]
-k_group = routing.top_groups(routing.scores(k, cent, cfg.tau), 1)[0, kv, :, 0]
+q_group = routing.top_groups(routing.scores(q_route, cent, cfg.tau), 1)[0, h, :, 0]
+k_group = routing.top_groups(routing.scores(k_route, cent, cfg.tau), 1)[0, kv, :, 0]
 rows = sorted(range(n), key=lambda t: (int(q_group[t]), t))  # queries sorted by (top group, position)
 cols = sorted(range(n), key=lambda t: (int(k_group[t]), t))
 same_sorted = same_group[rows][:, cols]

@@ -61,9 +61,10 @@ def test_build_parses_percent_format(tmp_path):
     assert nb.metadata["kernelspec"]["name"] == "python3"
 
 
-def run_notebook(name: str, workdir: Path, params: dict | None = None) -> nbformat.NotebookNode:
+def run_notebook(name: str, workdir: Path, params: dict | None = None, check: str = "") -> nbformat.NotebookNode:
     """Execute examples/<name>.ipynb in ``workdir`` in small mode (``params`` override the parameter cell, as
-    papermill would); returns the executed notebook. Fails on the first cell that raises."""
+    papermill would; ``check``, code run last, in the notebook's namespace); returns the executed notebook. Fails on
+    the first cell that raises."""
     from nbclient import NotebookClient
 
     nb = nbformat.read(EXAMPLES / f"{name}.ipynb", as_version=4)
@@ -73,6 +74,8 @@ def run_notebook(name: str, workdir: Path, params: dict | None = None) -> nbform
     # The kernel must be this interpreter (jupyter_client runs the "python3" kernel with sys.executable);
     # check it, so that a notebook never silently runs against another installation.
     nb.cells.insert(0, nbformat.v4.new_code_cell(f"import sys\nassert sys.prefix == {sys.prefix!r}, sys.prefix"))
+    if check:
+        nb.cells.append(nbformat.v4.new_code_cell(check))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FOCUS_FLEX_EXAMPLES_SMALL", "1")
         mp.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
@@ -122,3 +125,26 @@ def test_inspect_groups_runs(finetuned):
     for fig in ("group_sizes", "attention_pattern"):
         assert (workdir / "runs" / "examples" / "inspect_groups" / f"{fig}.png").stat().st_size > 1000
     assert images(nb) == 2, "both figures are shown inline"
+
+
+# The notebook's picture against what the attached adapter routes (adapter.routed: its own centering), then the
+# pattern of those vectors by the plain semantics.
+ROUTED_AS_THE_ADAPTER = """
+import dataclasses
+adapter.attach(model)
+q_ref, k_ref = adapter.routed(adapter.slot[layer], q, k)
+adapter.detach(model)
+assert adapter.config.centers(layer), "the check needs a centered layer"
+plain = dataclasses.replace(cfg, center=False)
+assert torch.equal(pattern, focus_pattern(q_ref, k_ref, cent, plain)[0, h])
+assert torch.equal(q_member, routing.hard_membership(q_ref, cent, cfg.query_top_k)[0, h])
+assert torch.equal(k_member, routing.hard_membership(k_ref, cent, cfg.key_top_k)[0, kv])
+"""
+
+
+@pytest.mark.slow
+def test_inspect_groups_routes_what_a_centered_adapter_routes(tmp_path):
+    """The published adapter centers layers 15-29: the notebook's groups and pattern are those of the mean-removed
+    vectors there, as the attached adapter routes them."""
+    published = str(EXAMPLES.parent / "hub" / "smollm2-135m-instruct-focus")
+    run_notebook("inspect_groups", tmp_path, {"ADAPTER": published, "PATTERN_LAYER": 20}, check=ROUTED_AS_THE_ADAPTER)
