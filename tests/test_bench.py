@@ -138,3 +138,34 @@ def test_passkey_oracle_layer_subset_is_focus_in_those_layers_only():
     assert (partial - full).abs().max() > 1e-4 and (partial - both).abs().max() > 1e-4
     with pytest.raises(SystemExit, match="not Focus layers"):
         layer_subset(sub, [0])
+
+
+def test_union_study_adds_the_other_adapters_pattern_in_the_chosen_layers():
+    """``union_study``: with an "other" adapter whose window covers the whole text, its pattern in layer 1 is full
+    attention, so the union equals Focus in layer 0 only (passkey_oracle.layer_subset); the pairs count it."""
+    import torch
+    from test_adapter import ids, tiny
+
+    from benchmarks.passkey_oracle import layer_subset
+    from benchmarks.union_study import union_pattern
+    from focus_flex import FocusAdapter, FocusConfig
+
+    model = tiny("llama")
+    adapter = FocusAdapter.for_model(model, FocusConfig(num_groups=4, window=8, sink_tokens=2, center=True), seed=3)
+    adapter.query_means.data.normal_()
+    adapter.key_means.data.normal_()
+    wide = FocusAdapter.for_model(model, FocusConfig(num_groups=4, window=64, sink_tokens=2), seed=4)
+    x = ids(1, 60)
+    with torch.no_grad():
+        lower = layer_subset(adapter, [0])
+        lower.attach(model)
+        expected = model(x).logits
+        lower.detach(model)
+        adapter.attach(model)
+        alone = model(x).logits
+        adapter.mode = "reference"
+        pairs: list = []
+        with union_pattern(adapter, wide, [1], model, pairs):
+            got = model(x).logits
+    assert (got - expected).abs().max() <= 1e-4 and (got - alone).abs().max() > 1e-4
+    assert len(pairs) == 2 and pairs[1][0] == pairs[1][1] == 60 * 61 / 2 and pairs[0][0] < pairs[0][1]
