@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
+from collections.abc import Callable
 from unittest import mock
 
 import torch
@@ -36,25 +37,36 @@ VARIANTS = ("none", "decode", "tail", "needle")
 
 
 @contextlib.contextmanager
+def widened_reference(widen: Callable[..., torch.Tensor]):
+    """The reference path with its mask passed through ``widen(mask, q, k, centroids, config)`` (it returns the mask
+    to attend with: the Focus pattern ``[B, Hq, Lq, Lk]`` and whatever pairs it adds)."""
+
+    def attention(q, k, v, centroids, config, *, attention_mask=None, scale=None, centering=None):
+        mask = focus_pattern(q, k, centroids, config, attention_mask=attention_mask, centering=centering)
+        mask = widen(mask, q, k, centroids, config, attention_mask=attention_mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+    with mock.patch.object(focus_flex.adapter, "reference_attention", attention):
+        yield
+
+
+@contextlib.contextmanager
 def extra_pairs(variant: str, prompt_len: int, needle: tuple[int, int], tail: int):
     """The reference path with ``variant``'s pairs allowed on top of the Focus pattern (``tail``, ``needle``); the
     others run the library as it is."""
 
-    def attention(q, k, v, centroids, config, *, attention_mask=None, scale=None, centering=None):
-        mask = focus_pattern(q, k, centroids, config, attention_mask=attention_mask, centering=centering)
+    def widen(mask, q, k, centroids, config, *, attention_mask=None):
         lq, lk = q.shape[2], k.shape[2]
         rows, cols = torch.arange(lk - lq, lk)[:, None], torch.arange(lk)[None, :]
         causal = cols <= rows
         if variant == "tail":
-            mask = mask | ((rows >= prompt_len - tail) & causal)
-        elif variant == "needle":
-            mask = mask | ((cols >= needle[0]) & (cols < needle[1]) & causal)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            return mask | ((rows >= prompt_len - tail) & causal)
+        return mask | ((cols >= needle[0]) & (cols < needle[1]) & causal)
 
     if variant not in ("tail", "needle"):
         yield
         return
-    with mock.patch.object(focus_flex.adapter, "reference_attention", attention):
+    with widened_reference(widen):
         yield
 
 

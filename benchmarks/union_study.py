@@ -5,7 +5,7 @@ Every Focus layer of ``--adapter`` (the retrieval adapter: centered groups, 64 s
 reference path (dense SDPA with the union of the two patterns as mask). Prints the perplexity of the held-out books
 (4 windows of 4K, as the cards) and the passkeys retrieved among those full attention retrieves in
 ``--full-results``, each with the density of the union. Nothing here changes the library: the union is made by
-wrapping :func:`focus_flex.attention.reference_attention` for the duration of the run.
+widening the reference path's mask (:func:`benchmarks.passkey_oracle.widened_reference`) for the duration of the run.
 """
 
 from __future__ import annotations
@@ -13,13 +13,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-from unittest import mock
 
 import torch
-import torch.nn.functional as F
 
-import focus_flex.adapter
 from benchmarks.bench import machine_info
+from benchmarks.passkey_oracle import widened_reference
 from focus_flex import FocusAdapter, routing
 from focus_flex.adapter import rotary_of
 from focus_flex.attention import focus_pattern
@@ -36,8 +34,7 @@ def union_pattern(adapter: FocusAdapter, other: FocusAdapter, layers: list[int],
     slot_of = {adapter.centroids[s].data_ptr(): s for s in adapter.slot.values()}
     rotary = rotary_of(model)
 
-    def attention(q, k, v, centroids, config, *, attention_mask=None, scale=None, centering=None):
-        mask = focus_pattern(q, k, centroids, config, attention_mask=attention_mask, centering=centering)
+    def widen(mask, q, k, centroids, config, *, attention_mask=None):
         layer = config.layers[slot_of[centroids.data_ptr()]]
         if layer in layers:
             s = other.slot[layer]
@@ -48,9 +45,9 @@ def union_pattern(adapter: FocusAdapter, other: FocusAdapter, layers: list[int],
         if q.shape[2] == k.shape[2]:
             n = q.shape[2]
             pairs.append((mask.sum().item() / (mask.shape[0] * mask.shape[1]), n * (n + 1) / 2))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return mask
 
-    with mock.patch.object(focus_flex.adapter, "reference_attention", attention):
+    with widened_reference(widen):
         yield
 
 

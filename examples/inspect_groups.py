@@ -139,10 +139,9 @@ with torch.no_grad():
             cent = adapter.centroids[slot]
             key_scores[layer].append(routing.scores(k, cent, cfg.tau)[0])
             query_member[layer].append(routing.hard_membership(q, cent, cfg.query_top_k)[0])
-        if len(key_scores[pattern_layer]) == 1:
-            pattern_qk = qkv[pattern_layer][:2]  # the first window's queries and keys, for the picture below
-            pattern_route = [routing_vectors(x, center[adapter.slot[pattern_layer]], kind)  # and what it routes
-                             for x, kind in zip(pattern_qk, ("query", "key"), strict=True)]
+            if layer == pattern_layer and len(key_scores[layer]) == 1:
+                pattern_qk = qkv[layer][:2]  # the first window's queries and keys, for the picture below
+                pattern_route = q, k  # and what the layer routes for them
 key_scores = {layer: torch.cat(s, dim=1) for layer, s in key_scores.items()}  # [Hkv, N, G]
 query_member = {layer: torch.cat(m, dim=1) for layer, m in query_member.items()}  # [Hq, N]
 tokens = windows.reshape(-1)  # token id of every routed position, same order as the scores

@@ -226,7 +226,7 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
     try:
         focus = FocusConfig(num_groups=args.groups, query_top_k=args.query_top_k, key_top_k=args.key_top_k,
                             window=args.window, sink_tokens=args.sinks, tau=args.tau, layers=args.layers,
-                            center=True if args.center == [] else args.center or False,
+                            center=True if args.center == [] else args.center or False,  # None: set below
                             dense_decode=args.dense_decode)
         tc = TrainConfig(objective=args.objective, steps=args.steps, batch_size=args.batch_size,
                          seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, balance_weight=args.balance_weight,
@@ -254,7 +254,7 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
     if dev is not None:
         train_windows = torch.cat([train_windows[:dev], train_windows[dev + 1:]])
 
-    if args.center is None:
+    if args.center is None:  # the default needs the model's layers
         focus.center = upper_half(model, focus.layers)
     try:
         adapter = FocusAdapter.for_model(model, focus, seed=args.seed)
