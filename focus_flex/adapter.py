@@ -328,8 +328,9 @@ class FocusAdapter(nn.Module):
         if shape != tuple(self.centroids.shape) or c.layers != list(self.slot) or bool(c.center) != centered:
             raise ValueError(f"adapter.config describes centroids {shape} on layers {c.layers}, but the adapter holds "
                              f"{tuple(self.centroids.shape)} on layers {list(self.slot)}: on an adapter only the "
-                             "routing may change (query_top_k, key_top_k, window, sink_tokens, tau, dense_decode); for "
-                             "other groups, layers or centering build a new one (FocusAdapter.for_model).")
+                             "routing may change (query_top_k, key_top_k, window, sink_tokens, tau, dense_decode, "
+                             "dense_tail); for other groups, layers or centering build a new one "
+                             "(FocusAdapter.for_model).")
 
     def _exit(self, module, args, output):
         self._active_cache = None

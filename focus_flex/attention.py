@@ -101,7 +101,8 @@ def focus_pattern(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, con
     Query i may attend key j iff j <= i, both are real tokens, and
     ``pos_i - pos_j < window or pos_j < sink_tokens or groups(q_i) ∩ groups(k_j) ≠ ∅``; with ``centering`` the groups
     are those of the mean-removed vectors (:class:`~focus_flex.routing.Centering`). With ``config.dense_decode``, the
-    queries of a decode step (Lq <= ``DECODE_MAX_QUERIES``) may attend every earlier real key.
+    queries of a decode step (Lq <= ``DECODE_MAX_QUERIES``) may attend every earlier real key; with
+    ``config.dense_tail``, so may the last ``config.tail(Lq)`` queries of a prefill.
     """
     valid = check_inputs(q, k, k, centroids, config, attention_mask)
     lq, lk, hq = q.shape[2], k.shape[2], q.shape[1]
@@ -119,7 +120,8 @@ def focus_pattern(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, con
         k_member = routing.hard_membership(k_route, centroids, config.key_top_k)
     k_member = k_member.repeat_interleave(hq // k.shape[1], dim=1)
     same = (q_member[..., :, None] & k_member[..., None, :]) != 0  # [B, Hq, Lq, Lk]
-    return real & (near_pairs(q_pos, pos, config)[:, None] | same)
+    tail = (torch.arange(lq, device=k.device) >= lq - config.tail(lq))[:, None]  # [Lq, 1]
+    return real & (near_pairs(q_pos, pos, config)[:, None] | same | tail)
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
@@ -179,7 +181,7 @@ def soft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids:
     q_pos = pos[:, lk - lq:]
     idx = torch.arange(lk, device=k.device)
     causal = idx[None, :] <= idx[lk - lq:, None]
-    near = near_pairs(q_pos, pos, config)
+    near = near_pairs(q_pos, pos, config) | (torch.arange(lq, device=k.device) >= lq - config.tail(lq))[:, None]
     allowed = (valid[:, lk - lq:, None] & valid[:, None, :] & causal)[:, None]
     if torch.is_grad_enabled():
         bias = torch.where(near[:, None], torch.zeros((), device=q.device), overlap.log())
@@ -502,9 +504,26 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
     flex = (kernel or default_kernel(q.device, config)) == "flex"
     if flex and not grad and q.dim() == 4 and (key_index is None or q.shape[2] > DECODE_MAX_QUERIES):  # traceable
         valid = check_inputs(q, k, v, centroids, config, attention_mask)
-        return flex_prefill(q, k, v, centroids, config, valid, q.shape[-1] ** -0.5 if scale is None else scale,
-                            centering)
-    return _host_attention(q, k, v, centroids, config, attention_mask, scale, key_index, kernel, centering)
+        out = flex_prefill(q, k, v, centroids, config, valid, q.shape[-1] ** -0.5 if scale is None else scale,
+                           centering)
+    else:
+        out = _host_attention(q, k, v, centroids, config, attention_mask, scale, key_index, kernel, centering)
+        if grad:  # the tail is in the function whose gradients these are
+            return out
+    return with_dense_tail(out, q, k, v, config, attention_mask, scale)
+
+
+def with_dense_tail(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: FocusConfig,
+                    attention_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    """``out [B, Hq, Lq, D]`` with the rows of the prefill's dense tail (``config.tail(Lq)``, the last queries)
+    replaced by full attention over every earlier real key: one SDPA of those rows, no host synchronisation."""
+    t = config.tail(q.shape[2])
+    if not t:
+        return out
+    valid = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device) if attention_mask is None \
+        else attention_mask.to(device=k.device, dtype=torch.bool)  # (checked by the path that computed ``out``)
+    dense = decode_attention(q[:, :, -t:], k, v, valid, q.shape[-1] ** -0.5 if scale is None else scale)
+    return torch.cat([out[:, :, :-t], dense.to(out.dtype)], dim=2)
 
 
 @torch.compiler.disable(reason="the flash kernel, decode's host-side key index and gradients: one graph break; the "

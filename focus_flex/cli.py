@@ -227,7 +227,7 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
         focus = FocusConfig(num_groups=args.groups, query_top_k=args.query_top_k, key_top_k=args.key_top_k,
                             window=args.window, sink_tokens=args.sinks, tau=args.tau, layers=args.layers,
                             center=True if args.center == [] else args.center or False,  # None: set below
-                            dense_decode=args.dense_decode)
+                            dense_decode=args.dense_decode, dense_tail=args.dense_tail)
         tc = TrainConfig(objective=args.objective, steps=args.steps, batch_size=args.batch_size,
                          seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, balance_weight=args.balance_weight,
                          query_samples=args.query_samples, repeats=args.repeats, repeat_span=args.repeat_span,
@@ -330,15 +330,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         _check_modes(args.modes)
     for flag, field in (("--query-top-k", "query_top_k"), ("--key-top-k", "key_top_k"), ("--window", "window"),
-                        ("--dense-decode", "dense_decode")):
+                        ("--dense-decode", "dense_decode"), ("--dense-tail", "dense_tail")):
         value = getattr(args, field)
         if value is not None:
             setattr(adapter.config, field, value)
             try:
                 adapter.config.validate()
             except ValueError as e:
-                hint = f"the adapter has {adapter.config.num_groups} groups per KV head; choose 1 to " \
-                    f"{adapter.config.num_groups}" if field.endswith("top_k") else "choose a window >= 1 token"
+                hint = {"window": "choose a window >= 1 token", "dense_tail": "choose 0 or more queries"}.get(
+                    field, f"the adapter has {adapter.config.num_groups} groups per KV head; choose 1 to "
+                           f"{adapter.config.num_groups}")
                 raise CliError(f"{flag} {value}: {hint} ({e}).") from e
     if args.task == "passkey":
         return _eval_passkey(args, adapter)
@@ -406,7 +407,8 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
                                 args.haystacks, modes, seed=args.seed, progress=not args.no_progress)
     meta = {"command": command, "adapter": args.adapter, "focus_config": adapter.config.to_dict(),
             "cpu": _cpu_name()}
-    paths = save_passkey(out, results, meta, passkey_protocol(args.dtype, adapter.config.dense_decode))
+    paths = save_passkey(out, results, meta, passkey_protocol(args.dtype, adapter.config.dense_decode,
+                                                              adapter.config.dense_tail))
     # The evaluated copy of the adapter: its card shows the retrieval table and heatmaps next to its perplexity.
     extra = adapter.config.extra
     made = extra.setdefault("trained_with", extra.get("command"))
@@ -504,6 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="route every layer's queries and keys as they are")
     f.add_argument("--dense-decode", action=argparse.BooleanOptionalAction, default=d.dense_decode,
                    help="decode steps attend every earlier token: Focus for the prefill only (docs/passkey.md)")
+    f.add_argument("--dense-tail", type=int, default=d.dense_tail, metavar="N",
+                   help="the last N queries of a prefill (the question at the end of a prompt) attend every earlier "
+                        "token (docs/passkey.md)")
     t = r.add_argument_group("training")
     c = DEFAULT_TRAIN
     t.add_argument("--objective", choices=["distill", "lm"], default=c.objective)
@@ -538,6 +543,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--window", type=int, default=None, help="sliding window (tokens; default: the adapter's)")
     k.add_argument("--dense-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="decode steps attend every earlier token (default: the adapter's; docs/passkey.md)")
+    k.add_argument("--dense-tail", type=int, default=None, metavar="N",
+                   help="the last N queries of a prefill attend every earlier token (default: the adapter's)")
     e.add_argument("--task", choices=["perplexity", "passkey"], default="perplexity",
                    help="perplexity on held-out text (default), or passkey retrieval (docs/passkey.md)")
     pk = e.add_argument_group("passkey retrieval (--task passkey)")

@@ -26,6 +26,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "focus_flex"
 
 
+def tail_queries(dense_tail: int, lq: int) -> int:
+    """How many of a forward's ``lq`` queries attend every earlier key as a prefill's dense tail: the last
+    ``dense_tail`` of a prefill, none of a decode step (a forward of at most ``DECODE_MAX_QUERIES`` queries)."""
+    return min(dense_tail, lq) if lq > DECODE_MAX_QUERIES else 0
+
+
 @dataclass
 class FocusConfig:
     """Configuration of a Focus adapter.
@@ -37,7 +43,9 @@ class FocusConfig:
     (:class:`focus_flex.routing.Centering`), in every Focus layer (``True``) or in the layers listed; the adapter
     then also holds those means. With ``dense_decode``, the
     queries of a decode step (a forward of at most ``DECODE_MAX_QUERIES`` queries) attend every earlier key:
-    Focus for the prefill only (as MInference does), and a decode step costs what full attention's does.
+    Focus for the prefill only (as MInference does), and a decode step costs what full attention's does. With
+    ``dense_tail`` N, the last N queries of a prefill (a forward of more than ``DECODE_MAX_QUERIES`` queries) attend
+    every earlier key: the question at the end of a long prompt reads all of it.
     """
 
     num_groups: int = 16
@@ -51,6 +59,7 @@ class FocusConfig:
     sinkhorn_iters: int = 3
     center: bool | list[int] = False  # route mean-removed queries and keys: in every Focus layer, or in those listed
     dense_decode: bool = False  # forwards of at most 16 queries (decode steps) attend every earlier key
+    dense_tail: int = 0  # the last this many queries of a prefill attend every earlier key
     # Shape of the model the centroids belong to (filled in by `FocusAdapter.for_model`).
     num_layers: int | None = None
     num_kv_heads: int | None = None
@@ -104,9 +113,15 @@ class FocusConfig:
         need(isinstance(self.center, (bool, list)),
              f"center={self.center!r} must be true, false or a list of Focus layer indices")
         need(isinstance(self.dense_decode, bool), f"dense_decode={self.dense_decode!r} must be true or false")
+        need(is_int(self.dense_tail) and self.dense_tail >= 0,
+             f"dense_tail={self.dense_tail!r} must be an int >= 0 (prefill queries that attend densely)")
         for name in ("num_layers", "num_kv_heads", "num_query_heads", "head_dim"):
             v = getattr(self, name)
             need(v is None or (is_int(v) and v >= 1), f"{name}={v!r} must be None or an int >= 1")
+
+    def tail(self, lq: int) -> int:
+        """How many of a forward's ``lq`` queries attend densely as the prefill's tail (:func:`tail_queries`)."""
+        return tail_queries(self.dense_tail, lq)
 
     def centers(self, layer: int) -> bool:
         """Whether Focus layer ``layer`` routes mean-removed vectors (``center`` true, or listing it)."""

@@ -40,6 +40,7 @@ from focus_flex import routing
 from focus_flex.adapter import FocusAdapter, has_focus
 from focus_flex.attention import default_kernel
 from focus_flex.attention import dense_decode as dense_decode_step
+from focus_flex.config import FocusConfig, tail_queries
 from focus_flex.data import check_windows
 
 MODES = ("full", "focus", "soft", "window", "random")
@@ -58,17 +59,23 @@ def window_pairs(n: int, window: int, sinks: int) -> int:
     return band + sum(max(0, n - j - w) for j in range(min(sinks, n)))
 
 
-def window_density(n: int, window: int, sinks: int) -> float:
-    """Fraction of the ``n (n + 1) / 2`` causal pairs that window + sinks attention computes."""
-    return window_pairs(n, window, sinks) / (n * (n + 1) / 2)
+def window_tail_pairs(n: int, window: int, sinks: int, tail: int) -> int:
+    """Causal pairs that a dense tail (the last ``tail`` queries attend every earlier key) adds to window + sinks."""
+    return sum(i + 1 - min(window, i + 1) - max(0, min(sinks, i - window + 1)) for i in range(n - min(tail, n), n))
 
 
-def matching_window(n: int, sinks: int, density: float) -> int:
-    """Smallest window whose window + sinks density over n tokens is at least ``density``."""
+def window_density(n: int, window: int, sinks: int, tail: int = 0) -> float:
+    """Fraction of the ``n (n + 1) / 2`` causal pairs that window + sinks attention computes (with the last ``tail``
+    queries attending densely)."""
+    return (window_pairs(n, window, sinks) + window_tail_pairs(n, window, sinks, tail)) / (n * (n + 1) / 2)
+
+
+def matching_window(n: int, sinks: int, density: float, tail: int = 0) -> int:
+    """Smallest window whose window + sinks (+ dense ``tail``) density over n tokens is at least ``density``."""
     lo, hi = 1, n
     while lo < hi:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if window_density(n, mid, sinks) >= density else (mid + 1, hi)
+        lo, hi = (lo, mid) if window_density(n, mid, sinks, tail) >= density else (mid + 1, hi)
     return lo
 
 
@@ -113,6 +120,20 @@ def pattern_density(q_member: torch.Tensor, k_member: torch.Tensor, window: int,
     return far_density(far_pairs_by_distance(q_member, k_member, sinks), q_member.shape[-1], window, sinks)
 
 
+def tail_pairs(q_member: torch.Tensor, k_member: torch.Tensor, config: FocusConfig) -> torch.Tensor:
+    """Causal pairs that the dense tail (``config.tail(N)``, the last queries of a prefill) adds to the hard pattern of
+    one unpadded prefill, per query head ``[B, Hq]`` (float64); memberships as in :func:`pattern_density`."""
+    (b, hq, n), t = q_member.shape, config.tail(q_member.shape[-1])
+    if not t:
+        return torch.zeros(b, hq, dtype=torch.float64)
+    i = torch.arange(n - t, n)[:, None]
+    j = torch.arange(n)[None, :]
+    keys = k_member.cpu().repeat_interleave(hq // k_member.shape[1], dim=1)
+    shared = (q_member.cpu()[..., n - t:, None] & keys[..., None, :]) != 0  # [B, Hq, t, N]
+    near = (i - j < config.window) | (j < config.sink_tokens)
+    return ((j <= i) & ~(near | shared)).sum((-1, -2)).double()
+
+
 def matching_pattern_window(far: torch.Tensor, n: int, sinks: int, density: float) -> int:
     """Smallest window whose hard pattern, with the far pairs counted in ``far [N]``, reaches ``density``."""
     lo, hi = 1, n
@@ -127,10 +148,11 @@ def matching_pattern_window(far: torch.Tensor, n: int, sinks: int, density: floa
 
 @contextlib.contextmanager
 def window_only(model: nn.Module, window: int, sinks: int, layers: list[int] | None = None, *,
-                dense_decode: bool = False) -> Iterator[None]:
+                dense_decode: bool = False, dense_tail: int = 0) -> Iterator[None]:
     """While active, ``layers`` (default: all) attend only to the last ``window`` tokens and the first ``sinks``
     (SDPA with a dense bool mask; positions are indices, so inputs must not be left-padded); with ``dense_decode``,
-    decode steps (as :attr:`FocusConfig.dense_decode`) attend every earlier token."""
+    decode steps (as :attr:`FocusConfig.dense_decode`) attend every earlier token, and with ``dense_tail`` so do the
+    last queries of a prefill (as :attr:`FocusConfig.dense_tail`)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -140,7 +162,7 @@ def window_only(model: nn.Module, window: int, sinks: int, layers: list[int] | N
         if (layers is None or module.layer_idx in layers) and not dense_decode_step(dense_decode, lq):
             i = torch.arange(lk - lq, lk, device=query.device)[:, None]
             j = torch.arange(lk, device=query.device)[None, :]
-            mask = (j <= i) & ((i - j < window) | (j < sinks))
+            mask = (j <= i) & ((i - j < window) | (j < sinks) | (i >= lk - tail_queries(dense_tail, lq)))
             attention_mask = mask if attention_mask is None else attention_mask & mask
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -187,8 +209,9 @@ class RoutingMeter:
         query, key = adapter.routed(slot, query, key, padding)
         qm = routing.hard_membership(query, c, cfg.query_top_k)
         km = routing.hard_membership(key, c, cfg.key_top_k)
-        far = far_pairs_by_distance(qm, km, cfg.sink_tokens)
-        self.density.append(far_density(far, query.shape[2], cfg.window, cfg.sink_tokens).mean().item())
+        far, n = far_pairs_by_distance(qm, km, cfg.sink_tokens), query.shape[2]
+        tail = tail_pairs(qm, km, cfg) / (n * (n + 1) / 2)
+        self.density.append((far_density(far, n, cfg.window, cfg.sink_tokens) + tail).mean().item())
         self.far.append(far.mean((0, 1)))
         self.balance.append(routing.group_balance(km, cfg.num_groups).mean().item())
 
@@ -277,9 +300,11 @@ def _evaluate_modes(model: nn.Module, adapter: FocusAdapter, windows: torch.Tens
         elif mode == "soft":
             run("soft", 1.0, None, "soft routing (training path), dense", adapter, fast="soft")
         elif mode == "window":
-            w = matching_window(n, cfg.sink_tokens, results["focus"].density)
-            with window_only(model, w, cfg.sink_tokens, cfg.layers):
-                run("window", window_density(n, w, cfg.sink_tokens), None, f"window {w} + {cfg.sink_tokens} sinks")
+            tail = cfg.tail(n)
+            w = matching_window(n, cfg.sink_tokens, results["focus"].density, tail)
+            with window_only(model, w, cfg.sink_tokens, cfg.layers, dense_tail=cfg.dense_tail):
+                run("window", window_density(n, w, cfg.sink_tokens, tail), None,
+                    f"window {w} + {cfg.sink_tokens} sinks" + (f" + dense tail {tail}" if tail else ""))
         else:
             rnd = FocusAdapter(cfg, seed=RANDOM_SEED).to(next(model.parameters()).device)
             w = random_window(model, rnd, windows[:1], results["focus"].density, progress)

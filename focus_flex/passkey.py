@@ -21,7 +21,7 @@ Protocol (Mohtashami & Jaggi, 2023, adapted to an instruct model; docs/passkey.m
   prefill and decode). ``window``: window + sinks only, the window set so that its density over ``length`` tokens
   matches ``focus``'s density measured on the prefills of the same haystack and length
   (:func:`focus_flex.evaluate.matching_window`); with the adapter's ``dense_decode``, window-only's decode steps
-  attend every earlier token too.
+  attend every earlier token too, and with its ``dense_tail`` the last queries of its prefill.
 """
 
 from __future__ import annotations
@@ -305,10 +305,12 @@ def _run(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None, mode: s
         assert adapter is not None
         cfg = adapter.config
         focus = [r.density for r in results if r.mode == "focus" and (r.haystack, r.length) == (haystack, length)]
-        w = matching_window(length, cfg.sink_tokens, sum(focus) / len(focus))
-        with window_only(model, w, cfg.sink_tokens, cfg.layers, dense_decode=cfg.dense_decode):
+        tail = cfg.tail(length)
+        w = matching_window(length, cfg.sink_tokens, sum(focus) / len(focus), tail)
+        with window_only(model, w, cfg.sink_tokens, cfg.layers, dense_decode=cfg.dense_decode,
+                         dense_tail=cfg.dense_tail):
             answer = greedy_answer(model, tokenizer, prompt.input_ids)
-        density = window_density(length, w, cfg.sink_tokens)
+        density = window_density(length, w, cfg.sink_tokens, tail)
     results.append(PasskeyResult(mode, haystack, length, depth, number, prompt.key, answer,
                                  score(answer, prompt.key), prompt.depth, density, time.perf_counter() - t0))
     return density
@@ -485,10 +487,13 @@ def save_passkey(directory: str, results: list[PasskeyResult], meta: dict[str, A
     return paths
 
 
-def passkey_protocol(dtype: str, dense_decode: bool = False) -> str:
-    """One paragraph describing the protocol, for the reports (``dense_decode``: the adapter's setting)."""
+def passkey_protocol(dtype: str, dense_decode: bool = False, dense_tail: int = 0) -> str:
+    """One paragraph describing the protocol, for the reports (``dense_decode``, ``dense_tail``: the adapter's)."""
     decode = (" Generation steps attend every token in both (`dense_decode`); the density counts the prefill."
               if dense_decode else "")
+    if dense_tail:
+        decode += (f" The last {dense_tail} tokens of the prompt attend every token in both (`dense_tail`), counted in "
+                   "the density.")
     return ("Passkey retrieval: a 5-digit key in the needle \"" + NEEDLE.format(key="NNNNN").strip() + "\" at the "
             "given depth of the haystack (`filler`: \"" + FILLER + "\" repeated; `prose`: excerpts of the shipped "
             "held-out books), the whole prompt in the model's chat template with the answer started as \""

@@ -87,10 +87,13 @@ def test_retrofit_then_eval(tiny, tmp_path, capsys):
     narrower = tmp_path / "eval-w4"
     assert main(["eval", str(adapter_dir), "--model", str(tiny / "model"), "--data", str(tiny / "eval"),
                  "--context", "64", "--eval-windows", "1", "--modes", "focus", "--window", "4", "--dense-decode",
-                 "--output-dir", str(narrower), "--no-progress"]) == 0
+                 "--dense-tail", "3", "--output-dir", str(narrower), "--no-progress"]) == 0
     assert json.loads((narrower / RESULTS_JSON).read_text())["results"][0]["density"] < results["results"][1]["density"]
     config = FocusAdapter.from_pretrained(str(narrower)).config
     assert config.window == 4 and config.dense_decode and not adapter.config.dense_decode
+    assert config.dense_tail == 3 and adapter.config.dense_tail == 0
+    assert main(["eval", str(adapter_dir), "--dense-tail", "-2", "--no-progress"]) == 2
+    assert "dense_tail=-2 must be an int >= 0" in capsys.readouterr().err
     assert main(["eval", str(adapter_dir), "--window", "0", "--no-progress"]) == 2
     assert "--window 0: choose a window >= 1 token" in capsys.readouterr().err
     for flags, message in ((["--modes"], "--modes needs at least one"), (["--eval-windows", "0"], "must be >= 1"),

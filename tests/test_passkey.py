@@ -129,16 +129,18 @@ def test_eval_task_passkey_writes_table_json_and_heatmaps(tmp_path, capsys):
     assert card.index("| focus |") < card.index("## Long-range retrieval (passkey)") < card.index(table.split("\n")[0])
     assert "(passkey_full.png)" in card and "--task passkey" in card
     # full attention's results reused from that run: the same rows, not run again; other seeds' prompts are refused;
-    # with --dense-decode the saved copy and the report say so
+    # with --dense-decode and --dense-tail the saved copy and the report say so
     again = tmp_path / "pk2"
     argv = ["eval", ADAPTER, "--task", "passkey", "--lengths", "384", "--depths", "30", "--keys-per-cell", "1",
             "--modes", "full", "focus", "--full-results", str(out / P.PASSKEY_JSON), "--no-progress"]
-    assert main([*argv, "--dense-decode", "--output-dir", str(again)]) == 0
+    assert main([*argv, "--dense-decode", "--dense-tail", "20", "--output-dir", str(again)]) == 0
     rows2 = json.loads((again / P.PASSKEY_JSON).read_text())["results"]
     assert [r for r in rows2 if r["mode"] == "full"] == full
     assert "Of the keys full attention retrieves" in (again / P.PASSKEY_MD).read_text()
     assert "Generation steps attend every token" in (again / P.PASSKEY_MD).read_text()
+    assert "The last 20 tokens of the prompt attend every token" in (again / P.PASSKEY_MD).read_text()
     assert FocusAdapter.from_pretrained(str(again)).config.dense_decode
+    assert FocusAdapter.from_pretrained(str(again)).config.dense_tail == 20
     assert main([*argv, "--seed", "1", "--output-dir", str(tmp_path / "pk3")]) == 2
     assert "no full-attention result for 2 of the 2 prompts" in capsys.readouterr().err
 
