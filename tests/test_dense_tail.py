@@ -117,3 +117,34 @@ def test_config_field_round_trips_and_is_checked(tmp_path):
     for bad in (-1, True, 2.0):
         with pytest.raises(ValueError, match="dense_tail=.* must be an int >= 0"):
             FocusConfig(dense_tail=bad)
+
+
+def test_generate_with_every_cache_equals_the_reference():
+    """A tiny Llama with left padding, greedy generate with a dense tail: the CPU path, the static cache and a
+    flex-kernel FocusCache equal the reference path's; the prompt's last logits are not those without the tail."""
+    from test_adapter import ids, tiny
+
+    from focus_flex.cache import FocusCache
+
+    model = tiny("llama")
+    adapter = FocusAdapter.for_model(model, CFG, seed=3)
+    adapter.attach(model)
+    x = ids(2, 40)
+    mask = torch.ones_like(x)
+    mask[0, :5] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, output_logits=True,
+              return_dict_in_generate=True)
+    adapter.mode = "reference"
+    expected = model.generate(x, **kw)
+    adapter.mode = "fast"
+    for extra in ({}, {"cache_implementation": "static"}):
+        got = model.generate(x, **extra, **kw)
+        assert torch.equal(got.sequences, expected.sequences)
+        assert max(max_diff(a, b) for a, b in zip(got.logits, expected.logits, strict=True)) <= 1e-4
+    adapter.kernel = "flex"
+    got = model.generate(x, past_key_values=FocusCache(model.config, max_cache_len=64), **kw)
+    assert torch.equal(got.sequences, expected.sequences)
+    assert max(max_diff(a, b) for a, b in zip(got.logits, expected.logits, strict=True)) <= 1e-4
+    adapter.kernel = None
+    adapter.config.dense_tail = 0
+    assert max_diff(model.generate(x, **kw).logits[0], expected.logits[0]) > 1e-3
