@@ -11,8 +11,10 @@ dense SDPA with the pattern as mask) plus one kind of extra pairs:
 * ``needle`` — every query attends the needle's tokens.
 
 A variant that recovers the keys says which queries lose them. ``--layers`` keeps Focus in those layers only (the
-others attend fully): which layers' patterns lose them. Nothing here changes the library: the extra pairs are added
-by wrapping :func:`focus_flex.attention.reference_attention` for the duration of the run.
+others attend fully): which layers' patterns lose them. ``--dense-tail N`` sets the adapter's
+``FocusConfig.dense_tail`` (the prompt's last N queries attend every token) in every variant. Nothing here changes
+the library: the extra pairs are added by wrapping :func:`focus_flex.attention.reference_attention` for the duration
+of the run.
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--tail", type=int, default=24, help="prompt tokens the tail variant adds")
+    parser.add_argument("--dense-tail", type=int, default=None,
+                        help="FocusConfig.dense_tail for every variant (default: the adapter's)")
     parser.add_argument("--layers", type=int, nargs="+", default=None,
                         help="Focus in these layers only, full attention in the others (default: all)")
     args = parser.parse_args()
@@ -98,6 +102,8 @@ def main() -> None:
     adapter = FocusAdapter.from_pretrained(args.adapter)
     if args.layers is not None:
         adapter = layer_subset(adapter, args.layers)
+    if args.dense_tail is not None:
+        adapter.config.dense_tail = args.dense_tail
     solved = [r for r in load_passkey(args.full_results) if r.mode == "full" and r.correct and r.length in args.lengths]
     if not solved:
         raise SystemExit(f"full attention retrieves no key at lengths {args.lengths} in {args.full_results}")
@@ -117,8 +123,8 @@ def main() -> None:
             print(f"{variant:6s} {r.haystack:6s} {r.length:5d} {r.depth:3d}% key {r.key_number} {r.key}: {answer!r} "
                   f"{'correct' if correct else 'wrong'} ({time.perf_counter() - t0:.0f} s)", flush=True)
         totals[variant] = f"{hits}/{len(solved)}"
-    print(f"keys full attention retrieves, retrieved by the adapter (Focus layers {adapter.config.layers}) plus:",
-          totals)
+    print(f"keys full attention retrieves, retrieved by the adapter (Focus layers {adapter.config.layers}, dense tail "
+          f"{adapter.config.dense_tail}) plus:", totals)
 
 
 if __name__ == "__main__":

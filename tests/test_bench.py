@@ -169,3 +169,35 @@ def test_union_study_adds_the_other_adapters_pattern_in_the_chosen_layers():
             got = model(x).logits
     assert (got - expected).abs().max() <= 1e-4 and (got - alone).abs().max() > 1e-4
     assert len(pairs) == 2 and pairs[1][0] == pairs[1][1] == 60 * 61 / 2 and pairs[0][0] < pairs[0][1]
+
+
+def test_layer_fidelity_is_the_full_attention_mass_on_the_reference_pattern():
+    """``layer_fidelity``: ``kept`` is the share of each query's full attention probability on the pairs of the
+    reference pattern (``focus_pattern``), averaged over heads; a window over the whole text keeps all of it, with no
+    output error and no far mass."""
+    import torch
+    from test_adapter import ids, tiny
+
+    from benchmarks.layer_fidelity import layer_fidelity
+    from focus_flex import FocusAdapter, FocusConfig
+    from focus_flex.attention import focus_pattern
+    from focus_flex.train import centerings, teacher_qkv
+
+    model = tiny("llama")
+    adapter = FocusAdapter.for_model(model, FocusConfig(num_groups=4, window=8, sink_tokens=2, center=True), seed=3)
+    adapter.query_means.data.normal_()
+    adapter.key_means.data.normal_()
+    qkv = teacher_qkv(model, ids(1, 60))
+    idx = torch.tensor([20, 41, 59])
+    got = layer_fidelity(model, adapter, qkv, idx)
+    for layer, slot in adapter.slot.items():
+        q, k, _, scale = qkv[layer]
+        mask = focus_pattern(q, k, adapter.centroids.detach()[slot], adapter.config,
+                             centering=centerings(adapter, model)[slot])[:, :, idx]
+        kk = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+        p = (q[:, :, idx] @ kk.transpose(-1, -2) * scale).masked_fill(idx[:, None] < torch.arange(60), -torch.inf)
+        expected = (p.softmax(-1) * mask).sum(-1).mean().item()
+        assert abs(got[layer][0] - expected) <= 1e-5 and got[layer][0] < 0.999 and got[layer][1] > 0
+    wide = FocusAdapter.for_model(model, FocusConfig(num_groups=4, window=64, sink_tokens=2), seed=3)
+    for kept, error, far in layer_fidelity(model, wide, qkv, idx).values():
+        assert abs(kept - 1) <= 1e-6 and error <= 1e-10 and far == 0
