@@ -112,35 +112,41 @@ def test_static_decode_step_compiles_whole_without_recompiling():
         assert max_diff(out, causal(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], None)[0]) <= 1e-5
 
 
-@torch.no_grad()
-def test_generate_with_every_cache_equals_the_reference_and_differs_from_focus_decode():
-    """A tiny Llama with left padding: greedy generate on the CPU path, the static cache and a flex-kernel FocusCache
-    equal the reference path's; the decode steps' logits are those of full attention over the Focus prefill's
-    cache, not those of Focus decode."""
+def generate_on_every_cache(cfg: FocusConfig, new_tokens: int):
+    """A tiny Llama with ``cfg`` attached and a left-padded batch: greedy generate on the CPU path, the static cache
+    and a flex-kernel FocusCache, each checked equal to the reference path's (sequences, logits within 1e-4).
+    Returns ``(model, adapter, x, generate kwargs, the reference's output)``, the adapter back on the CPU path."""
     from test_adapter import ids, tiny
 
     from focus_flex.cache import FocusCache
 
     model = tiny("llama")
-    cfg = FocusConfig(num_groups=4, window=8, sink_tokens=2, block_size=16, dense_decode=True)
     adapter = FocusAdapter.for_model(model, cfg, seed=3)
     adapter.attach(model)
     x = ids(2, 40)
     mask = torch.ones_like(x)
     mask[0, :5] = 0
-    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
+    kw = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, output_logits=True,
               return_dict_in_generate=True)
     adapter.mode = "reference"
     expected = model.generate(x, **kw)
     adapter.mode = "fast"
-    for extra in ({}, {"cache_implementation": "static"}):
+    for kernel, extra in ((None, {}), (None, {"cache_implementation": "static"}),
+                          ("flex", {"past_key_values": FocusCache(model.config, max_cache_len=64)})):
+        adapter.kernel = kernel
         got = model.generate(x, **extra, **kw)
         assert torch.equal(got.sequences, expected.sequences)
         assert max(max_diff(a, b) for a, b in zip(got.logits, expected.logits, strict=True)) <= 1e-4
-    adapter.kernel = "flex"
-    got = model.generate(x, past_key_values=FocusCache(model.config, max_cache_len=64), **kw)
-    assert torch.equal(got.sequences, expected.sequences)
     adapter.kernel = None
+    return model, adapter, x, kw, expected
+
+
+@torch.no_grad()
+def test_generate_with_every_cache_equals_the_reference_and_differs_from_focus_decode():
+    """Greedy generate under dense decode equals the reference path's on every cache; the decode steps' logits are
+    those of full attention over the Focus prefill's cache, not those of Focus decode."""
+    model, adapter, x, kw, expected = generate_on_every_cache(
+        FocusConfig(num_groups=4, window=8, sink_tokens=2, block_size=16, dense_decode=True), 6)
     adapter.config.dense_decode = False
     sparse = model.generate(x, **kw)
     assert max_diff(sparse.logits[1], expected.logits[1]) > 1e-3

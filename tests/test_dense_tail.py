@@ -4,7 +4,7 @@ attention built here, the rest against the pattern without the tail; the densiti
 
 import pytest
 import torch
-from test_dense_decode import causal
+from test_dense_decode import causal, generate_on_every_cache
 from test_flex_core import make, max_diff
 
 from focus_flex import FocusAdapter, FocusConfig, focus_attention, reference_attention
@@ -119,32 +119,11 @@ def test_config_field_round_trips_and_is_checked(tmp_path):
             FocusConfig(dense_tail=bad)
 
 
+
+@torch.no_grad()
 def test_generate_with_every_cache_equals_the_reference():
-    """A tiny Llama with left padding, greedy generate with a dense tail: the CPU path, the static cache and a
-    flex-kernel FocusCache equal the reference path's; the prompt's last logits are not those without the tail."""
-    from test_adapter import ids, tiny
-
-    from focus_flex.cache import FocusCache
-
-    model = tiny("llama")
-    adapter = FocusAdapter.for_model(model, CFG, seed=3)
-    adapter.attach(model)
-    x = ids(2, 40)
-    mask = torch.ones_like(x)
-    mask[0, :5] = 0
-    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, output_logits=True,
-              return_dict_in_generate=True)
-    adapter.mode = "reference"
-    expected = model.generate(x, **kw)
-    adapter.mode = "fast"
-    for extra in ({}, {"cache_implementation": "static"}):
-        got = model.generate(x, **extra, **kw)
-        assert torch.equal(got.sequences, expected.sequences)
-        assert max(max_diff(a, b) for a, b in zip(got.logits, expected.logits, strict=True)) <= 1e-4
-    adapter.kernel = "flex"
-    got = model.generate(x, past_key_values=FocusCache(model.config, max_cache_len=64), **kw)
-    assert torch.equal(got.sequences, expected.sequences)
-    assert max(max_diff(a, b) for a, b in zip(got.logits, expected.logits, strict=True)) <= 1e-4
-    adapter.kernel = None
+    """Greedy generate with a dense tail equals the reference path's on the CPU path, the static cache and a
+    flex-kernel FocusCache; the prompt's last logits are not those without the tail."""
+    model, adapter, x, kw, expected = generate_on_every_cache(CFG, 4)
     adapter.config.dense_tail = 0
     assert max_diff(model.generate(x, **kw).logits[0], expected.logits[0]) > 1e-3
