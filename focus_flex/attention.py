@@ -93,6 +93,12 @@ def dense_decode(enabled: bool, lq: int) -> bool:
     return enabled and lq <= DECODE_MAX_QUERIES
 
 
+def tail_rows(lq: int, config: FocusConfig, device: torch.device) -> torch.Tensor:
+    """Which of a forward's ``lq`` queries are the prefill's dense tail (``config.tail(lq)``, the last ones): bool
+    ``[Lq, 1]``, to broadcast over keys."""
+    return (torch.arange(lq, device=device) >= lq - config.tail(lq))[:, None]
+
+
 def focus_pattern(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, config: FocusConfig, *,
                   attention_mask: torch.Tensor | None = None, q_member: torch.Tensor | None = None,
                   k_member: torch.Tensor | None = None, centering: routing.Centering | None = None) -> torch.Tensor:
@@ -120,8 +126,7 @@ def focus_pattern(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, con
         k_member = routing.hard_membership(k_route, centroids, config.key_top_k)
     k_member = k_member.repeat_interleave(hq // k.shape[1], dim=1)
     same = (q_member[..., :, None] & k_member[..., None, :]) != 0  # [B, Hq, Lq, Lk]
-    tail = (torch.arange(lq, device=k.device) >= lq - config.tail(lq))[:, None]  # [Lq, 1]
-    return real & (near_pairs(q_pos, pos, config)[:, None] | same | tail)
+    return real & (near_pairs(q_pos, pos, config)[:, None] | same | tail_rows(lq, config, k.device))
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
@@ -181,7 +186,7 @@ def soft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids:
     q_pos = pos[:, lk - lq:]
     idx = torch.arange(lk, device=k.device)
     causal = idx[None, :] <= idx[lk - lq:, None]
-    near = near_pairs(q_pos, pos, config) | (torch.arange(lq, device=k.device) >= lq - config.tail(lq))[:, None]
+    near = near_pairs(q_pos, pos, config) | tail_rows(lq, config, k.device)
     allowed = (valid[:, lk - lq:, None] & valid[:, None, :] & causal)[:, None]
     if torch.is_grad_enabled():
         bias = torch.where(near[:, None], torch.zeros((), device=q.device), overlap.log())
@@ -516,14 +521,16 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
 def with_dense_tail(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: FocusConfig,
                     attention_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
     """``out [B, Hq, Lq, D]`` with the rows of the prefill's dense tail (``config.tail(Lq)``, the last queries)
-    replaced by full attention over every earlier real key: one SDPA of those rows, no host synchronisation."""
+    replaced in place by full attention over every earlier real key: one SDPA of those rows, no host
+    synchronisation."""
     t = config.tail(q.shape[2])
     if not t:
         return out
     valid = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device) if attention_mask is None \
         else attention_mask.to(device=k.device, dtype=torch.bool)  # (checked by the path that computed ``out``)
     dense = decode_attention(q[:, :, -t:], k, v, valid, q.shape[-1] ** -0.5 if scale is None else scale)
-    return torch.cat([out[:, :, :-t], dense.to(out.dtype)], dim=2)
+    out[:, :, -t:] = dense.to(out.dtype)
+    return out
 
 
 @torch.compiler.disable(reason="the flash kernel, decode's host-side key index and gradients: one graph break; the "

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from focus_flex import routing
 from focus_flex.adapter import FocusAdapter, has_focus
-from focus_flex.attention import default_kernel
+from focus_flex.attention import default_kernel, near_pairs
 from focus_flex.attention import dense_decode as dense_decode_step
 from focus_flex.config import FocusConfig, tail_queries
 from focus_flex.data import check_windows
@@ -126,12 +126,10 @@ def tail_pairs(q_member: torch.Tensor, k_member: torch.Tensor, config: FocusConf
     (b, hq, n), t = q_member.shape, config.tail(q_member.shape[-1])
     if not t:
         return torch.zeros(b, hq, dtype=torch.float64)
-    i = torch.arange(n - t, n)[:, None]
-    j = torch.arange(n)[None, :]
+    i, j = torch.arange(n - t, n), torch.arange(n)
     keys = k_member.cpu().repeat_interleave(hq // k_member.shape[1], dim=1)
     shared = (q_member.cpu()[..., n - t:, None] & keys[..., None, :]) != 0  # [B, Hq, t, N]
-    near = (i - j < config.window) | (j < config.sink_tokens)
-    return ((j <= i) & ~(near | shared)).sum((-1, -2)).double()
+    return ((j[None, :] <= i[:, None]) & ~(near_pairs(i, j, config) | shared)).sum((-1, -2)).double()
 
 
 def matching_pattern_window(far: torch.Tensor, n: int, sinks: int, density: float) -> int:
