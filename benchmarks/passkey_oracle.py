@@ -8,11 +8,13 @@ dense SDPA with the pattern as mask) plus one kind of extra pairs:
 * ``decode`` — the generation steps attend every earlier token: the library's ``FocusConfig.dense_decode``, run on
   the fast path;
 * ``tail`` — as ``decode``, and the prompt's last ``--tail`` tokens (the question and the answer's start) too;
-* ``needle`` — every query attends the needle's tokens.
+* ``needle`` — every query attends the needle's tokens;
+* ``needle-rows`` — the needle's own queries attend every earlier token.
 
 A variant that recovers the keys says which queries lose them. ``--layers`` keeps Focus in those layers only (the
 others attend fully): which layers' patterns lose them. ``--dense-tail N`` sets the adapter's
-``FocusConfig.dense_tail`` (the prompt's last N queries attend every token) in every variant. Nothing here changes
+``FocusConfig.dense_tail`` (the prompt's last N queries attend every token) and ``--dense-decode`` its
+``FocusConfig.dense_decode`` in every variant. Nothing here changes
 the library: the extra pairs are added by wrapping :func:`focus_flex.attention.reference_attention` for the duration
 of the run.
 """
@@ -35,7 +37,7 @@ from focus_flex.attention import focus_pattern
 from focus_flex.models import load_model
 from focus_flex.passkey import build_prompt, greedy_answer, load_passkey, score
 
-VARIANTS = ("none", "decode", "tail", "needle")
+VARIANTS = ("none", "decode", "tail", "needle", "needle-rows")
 
 
 @contextlib.contextmanager
@@ -54,8 +56,8 @@ def widened_reference(widen: Callable[..., torch.Tensor]):
 
 @contextlib.contextmanager
 def extra_pairs(variant: str, prompt_len: int, needle: tuple[int, int], tail: int):
-    """The reference path with ``variant``'s pairs allowed on top of the Focus pattern (``tail``, ``needle``); the
-    others run the library as it is."""
+    """The reference path with ``variant``'s pairs allowed on top of the Focus pattern (``tail``, ``needle``,
+    ``needle-rows``); the others run the library as it is."""
 
     def widen(mask, q, k, centroids, config, *, attention_mask=None):
         lq, lk = q.shape[2], k.shape[2]
@@ -63,9 +65,11 @@ def extra_pairs(variant: str, prompt_len: int, needle: tuple[int, int], tail: in
         causal = cols <= rows
         if variant == "tail":
             return mask | ((rows >= prompt_len - tail) & causal)
+        if variant == "needle-rows":
+            return mask | ((rows >= needle[0]) & (rows < needle[1]) & causal)
         return mask | ((cols >= needle[0]) & (cols < needle[1]) & causal)
 
-    if variant not in ("tail", "needle"):
+    if variant not in ("tail", "needle", "needle-rows"):
         yield
         return
     with widened_reference(widen):
@@ -93,6 +97,8 @@ def main() -> None:
     parser.add_argument("--tail", type=int, default=24, help="prompt tokens the tail variant adds")
     parser.add_argument("--dense-tail", type=int, default=None,
                         help="FocusConfig.dense_tail for every variant (default: the adapter's)")
+    parser.add_argument("--dense-decode", action="store_true",
+                        help="FocusConfig.dense_decode for every variant (default: only for the decode variant)")
     parser.add_argument("--layers", type=int, nargs="+", default=None,
                         help="Focus in these layers only, full attention in the others (default: all)")
     args = parser.parse_args()
@@ -111,7 +117,7 @@ def main() -> None:
     totals = {}
     for variant in args.variants:
         adapter.mode = "fast" if variant in ("none", "decode") else "reference"  # the others patch the reference
-        adapter.config.dense_decode = variant == "decode"
+        adapter.config.dense_decode = variant == "decode" or args.dense_decode
         hits = 0
         for r in solved:
             prompt = build_prompt(tokenizer, r.length, r.depth, r.key, r.haystack, r.key_number)

@@ -140,6 +140,33 @@ def test_passkey_oracle_layer_subset_is_focus_in_those_layers_only():
         layer_subset(sub, [0])
 
 
+def test_passkey_oracle_needle_rows_attend_everything_and_the_rest_keep_the_pattern():
+    """``passkey_oracle --variants needle-rows``: the needle's queries get causal dense attention, every other query
+    the adapter's own pattern (checked against dense SDPA and the unpatched reference)."""
+    import torch
+    import torch.nn.functional as F
+
+    import focus_flex.adapter
+    from benchmarks.passkey_oracle import extra_pairs
+    from focus_flex import FocusConfig
+    from focus_flex.attention import reference_attention
+
+    torch.manual_seed(0)
+    config = FocusConfig(num_groups=4, window=8, sink_tokens=2)
+    q, k, v = torch.randn(1, 4, 96, 16), torch.randn(1, 2, 96, 16), torch.randn(1, 2, 96, 16)
+    centroids = F.normalize(torch.randn(2, 4, 16), dim=-1)
+    needle = (40, 52)
+    with extra_pairs("needle-rows", 96, needle, tail=0):
+        out = focus_flex.adapter.reference_attention(q, k, v, centroids, config)
+    dense = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    focus = reference_attention(q, k, v, centroids, config)
+    rows = torch.zeros(96, dtype=torch.bool)
+    rows[needle[0]:needle[1]] = True
+    assert torch.allclose(out[:, :, rows], dense[:, :, rows], atol=1e-5)
+    assert torch.allclose(out[:, :, ~rows], focus[:, :, ~rows], atol=1e-6)
+    assert not torch.allclose(focus[:, :, rows], dense[:, :, rows], atol=1e-3)  # the pattern alone is not dense there
+
+
 def test_union_study_adds_the_other_adapters_pattern_in_the_chosen_layers():
     """``union_study``: with an "other" adapter whose window covers the whole text, its pattern in layer 1 is full
     attention, so the union equals Focus in layer 0 only (passkey_oracle.layer_subset); the pairs count it."""
