@@ -38,9 +38,9 @@ from tqdm.auto import tqdm
 
 from focus_flex import routing
 from focus_flex.adapter import FocusAdapter, has_focus
-from focus_flex.attention import default_kernel, near_pairs
+from focus_flex.attention import default_kernel
 from focus_flex.attention import dense_decode as dense_decode_step
-from focus_flex.config import FocusConfig, tail_queries
+from focus_flex.config import tail_queries
 from focus_flex.data import check_windows
 
 MODES = ("full", "focus", "soft", "window", "random")
@@ -106,38 +106,34 @@ def far_pairs_by_distance(q_member: torch.Tensor, k_member: torch.Tensor, sinks:
     return out
 
 
-def far_density(far: torch.Tensor, n: int, window: int, sinks: int) -> torch.Tensor:
-    """Density of the hard pattern at ``window`` from :func:`far_pairs_by_distance` counts ``far [..., N]``."""
-    return (far[..., window:].sum(-1) + window_pairs(n, window, sinks)) / (n * (n + 1) / 2)
+def far_density(far: torch.Tensor, n: int, window: int, sinks: int, tail: int = 0) -> torch.Tensor:
+    """Density over ``n`` tokens of the hard pattern at ``window``, from the :func:`far_pairs_by_distance` counts
+    ``far [..., N - tail]`` of the first ``n - tail`` tokens; the last ``tail`` queries attend every earlier key (a
+    dense tail: all their causal pairs)."""
+    dense = tail * (2 * n - tail + 1) // 2
+    return (far[..., window:].sum(-1) + window_pairs(n - tail, window, sinks) + dense) / (n * (n + 1) / 2)
 
 
-def pattern_density(q_member: torch.Tensor, k_member: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
+def pattern_density(q_member: torch.Tensor, k_member: torch.Tensor, window: int, sinks: int,
+                    tail: int = 0) -> torch.Tensor:
     """Exact density of the hard Focus pattern of one unpadded prefill, per query head ``[B, Hq]``.
 
     q_member ``[B, Hq, N]`` and k_member ``[B, Hkv, N]`` are int64 group bitmasks (:func:`routing.hard_membership`).
-    Allowed pairs = window/sink pairs + far pairs (``sinks <= j <= i - window``) sharing a group.
+    Allowed pairs = window/sink pairs + far pairs (``sinks <= j <= i - window``) sharing a group, and every causal
+    pair of the last ``tail`` queries (``FocusConfig.tail(N)``).
     """
-    return far_density(far_pairs_by_distance(q_member, k_member, sinks), q_member.shape[-1], window, sinks)
+    n = q_member.shape[-1]
+    far = far_pairs_by_distance(q_member[..., :n - tail], k_member[..., :n - tail], sinks)
+    return far_density(far, n, window, sinks, tail)
 
 
-def tail_pairs(q_member: torch.Tensor, k_member: torch.Tensor, config: FocusConfig) -> torch.Tensor:
-    """Causal pairs that the dense tail (``config.tail(N)``, the last queries of a prefill) adds to the hard pattern of
-    one unpadded prefill, per query head ``[B, Hq]`` (float64); memberships as in :func:`pattern_density`."""
-    (b, hq, n), t = q_member.shape, config.tail(q_member.shape[-1])
-    if not t:
-        return torch.zeros(b, hq, dtype=torch.float64)
-    i, j = torch.arange(n - t, n), torch.arange(n)
-    keys = k_member.cpu().repeat_interleave(hq // k_member.shape[1], dim=1)
-    shared = (q_member.cpu()[..., n - t:, None] & keys[..., None, :]) != 0  # [B, Hq, t, N]
-    return ((j[None, :] <= i[:, None]) & ~(near_pairs(i, j, config) | shared)).sum((-1, -2)).double()
-
-
-def matching_pattern_window(far: torch.Tensor, n: int, sinks: int, density: float) -> int:
-    """Smallest window whose hard pattern, with the far pairs counted in ``far [N]``, reaches ``density``."""
+def matching_pattern_window(far: torch.Tensor, n: int, sinks: int, density: float, tail: int = 0) -> int:
+    """Smallest window whose hard pattern over ``n`` tokens, with the far pairs of its first ``n - tail`` counted in
+    ``far [N - tail]`` and a dense ``tail``, reaches ``density``."""
     lo, hi = 1, n
     while lo < hi:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if far_density(far, n, mid, sinks) >= density else (mid + 1, hi)
+        lo, hi = (lo, mid) if far_density(far, n, mid, sinks, tail) >= density else (mid + 1, hi)
     return lo
 
 
@@ -197,7 +193,7 @@ class RoutingMeter:
 
     def __init__(self, adapter: FocusAdapter):
         self.adapter, self.density, self.balance = adapter, [], []
-        self.far: list[torch.Tensor] = []  # per call: far pairs by distance [N], averaged over batch and heads
+        self.far: list[torch.Tensor] = []  # per call: far pairs by distance [N - tail] (the tail attends densely)
         self.handle = adapter.register_forward_hook(self)
 
     @torch.no_grad()
@@ -207,10 +203,11 @@ class RoutingMeter:
         query, key = adapter.routed(slot, query, key, padding)
         qm = routing.hard_membership(query, c, cfg.query_top_k)
         km = routing.hard_membership(key, c, cfg.key_top_k)
-        far, n = far_pairs_by_distance(qm, km, cfg.sink_tokens), query.shape[2]
-        tail = tail_pairs(qm, km, cfg) / (n * (n + 1) / 2)
-        self.density.append((far_density(far, n, cfg.window, cfg.sink_tokens) + tail).mean().item())
-        self.far.append(far.mean((0, 1)))
+        n = query.shape[2]
+        t = cfg.tail(n)
+        far = far_pairs_by_distance(qm[..., :n - t], km[..., :n - t], cfg.sink_tokens)
+        self.density.append(far_density(far, n, cfg.window, cfg.sink_tokens, t).mean().item())
+        self.far.append(far.mean((0, 1)))  # averaged over batch and heads
         self.balance.append(routing.group_balance(km, cfg.num_groups).mean().item())
 
     def close(self) -> tuple[float, float]:
@@ -327,8 +324,8 @@ def random_window(model: nn.Module, random: FocusAdapter, windows: torch.Tensor,
     finally:
         meter.close()
         random.detach(model)
-    far = torch.stack(meter.far).mean(0)
-    return matching_pattern_window(far, windows.shape[1], random.config.sink_tokens, density)
+    far, n = torch.stack(meter.far).mean(0), windows.shape[1]
+    return matching_pattern_window(far, n, random.config.sink_tokens, density, random.config.tail(n))
 
 
 # ---- reporting -----------------------------------------------------------------------------------

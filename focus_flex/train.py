@@ -472,7 +472,7 @@ def dev_metrics(adapter: FocusAdapter, dev_qkv: list[QKV], num_queries: int = 25
             err.append(fidelity[1].mean())
             qm = routing.hard_membership(routing_vectors(q, center, "query"), c, cfg.query_top_k)
             km = routing.hard_membership(routing_vectors(k, center, "key"), c, cfg.key_top_k)
-            dens.append(pattern_density(qm, km, cfg.window, cfg.sink_tokens).mean())
+            dens.append(pattern_density(qm, km, cfg.window, cfg.sink_tokens, cfg.tail(n)).mean())
             bal.append(routing.group_balance(km, cfg.num_groups).mean())
     mean = lambda xs: float(torch.stack(xs).mean())
     return {"retained": mean(kept), "output_error": mean(err), "density": mean(dens), "balance": mean(bal)}

@@ -10,7 +10,7 @@ from test_flex_core import make, max_diff
 from focus_flex import FocusAdapter, FocusConfig, focus_attention, reference_attention
 from focus_flex.attention import focus_pattern, routed
 from focus_flex.config import DECODE_MAX_QUERIES
-from focus_flex.evaluate import RoutingMeter, tail_pairs, window_density, window_only
+from focus_flex.evaluate import RoutingMeter, pattern_density, window_density, window_only
 from focus_flex.routing import hard_membership
 
 TAIL = 12
@@ -82,9 +82,21 @@ def test_measured_density_counts_the_tail_pairs():
     q, k, _, c, _ = make(1, 4, 2, n, n, g=4, seed=5)
     valid = torch.ones(1, n, dtype=torch.bool)
     qr, kr = routed(q, k, valid, None)
-    extra = tail_pairs(hard_membership(qr, c, 1), hard_membership(kr, c, 1), CFG)
-    dense = focus_pattern(q, k, c, CFG).sum((-1, -2)) - focus_pattern(q, k, c, SPARSE).sum((-1, -2))
-    assert torch.equal(extra, dense.double())
+    density = pattern_density(hard_membership(qr, c, 1), hard_membership(kr, c, 1), CFG.window, CFG.sink_tokens,
+                              CFG.tail(n))
+    assert torch.equal(density, focus_pattern(q, k, c, CFG).sum((-1, -2)).double() / (n * (n + 1) / 2))
+
+
+def test_training_dev_density_counts_the_tail():
+    """The density that training reports on its dev sequences is the pattern's, tail included."""
+    from focus_flex.train import LayerQKV, dev_metrics
+
+    q, k, v, c, _ = make(1, 4, 2, 70, 70, g=4, seed=5)
+    adapter = FocusAdapter(FocusConfig(**{**CFG.to_dict(), "num_layers": 1, "num_kv_heads": 2, "head_dim": 16,
+                                         "layers": [0]}), c[None])
+    density = dev_metrics(adapter, [{0: LayerQKV(q, k, v, None)}])["density"]
+    n = q.shape[2]
+    assert density == pytest.approx(focus_pattern(q, k, c, CFG).sum().item() / (4 * n * (n + 1) / 2), abs=1e-6)
 
 
 @torch.no_grad()

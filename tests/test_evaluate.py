@@ -43,6 +43,22 @@ def test_pattern_density_counts_exactly_what_focus_pattern_allows(kq, kk, window
     assert w == 1 or E.far_density(far.mean((0, 1)), n, w - 1, sinks) < target
 
 
+def test_random_baseline_matches_focus_density_with_a_dense_tail():
+    """With ``dense_tail`` the random-groups baseline's window is matched on the pattern with the tail counted: the
+    smallest window whose measured density reaches Focus's, as without a tail."""
+    model = tiny_llama()
+    adapter = FocusAdapter.for_model(model, FocusConfig(num_groups=4, window=8, sink_tokens=2, block_size=16,
+                                                        dense_tail=16))
+    cfg = adapter.config
+    windows = torch.randint(0, 96, (1, 64), generator=torch.Generator().manual_seed(0))
+    focus = E.evaluate(model, adapter, windows, modes=("focus",), progress=False)[0].density
+    rnd = FocusAdapter(cfg, seed=E.RANDOM_SEED)
+    w = E.random_window(model, rnd, windows, focus)
+    at = lambda w: E.evaluate(model, FocusAdapter(replace(cfg, window=w), rnd.centroids.detach()), windows,
+                              modes=("focus",), progress=False)[0].density
+    assert at(w) >= focus > at(w - 1)
+
+
 def test_window_densities_and_matching_window():
     i, j = torch.arange(100)[:, None], torch.arange(100)[None, :]
     for w, s in [(1, 0), (5, 3), (10, 0), (100, 4), (200, 300)]:
