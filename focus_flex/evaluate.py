@@ -304,8 +304,10 @@ def _evaluate_modes(model: nn.Module, adapter: FocusAdapter, windows: torch.Tens
             rnd = FocusAdapter(cfg, seed=RANDOM_SEED).to(next(model.parameters()).device)
             w = random_window(model, rnd, windows[:1], results["focus"].density, progress)
             rnd = FocusAdapter(replace(cfg, window=w), rnd.centroids.detach())
+            tail = cfg.tail(n)
             run("random", None, None, f"untrained random centroids (seed {RANDOM_SEED}), window {w} + "
-                f"{cfg.sink_tokens} sinks (matched to focus's density on the first window)", rnd)
+                f"{cfg.sink_tokens} sinks" + (f" + dense tail {tail}" if tail else "")
+                + " (matched to focus's density on the first window)", rnd)
 
 
 def random_window(model: nn.Module, random: FocusAdapter, windows: torch.Tensor, density: float,

@@ -662,20 +662,22 @@ def test_focus_adapter_for_another_base_model(hub_server, tmp_path):
         loaded.attach(tiny_llama("org/tiny-llama-mqa", num_key_value_heads=1))
 
 
-@pytest.mark.parametrize("name,flags,center,evaluated", [
-    ("smollm2-135m-instruct-focus", (), list(range(15, 30)), {"full", "focus", "soft", "window", "random"}),
-    ("smollm2-135m-instruct-focus-retrieval", ("--center", "--sinks 64"), True, {"full", "focus", "window", "random"})])
-def test_published_adapters_are_ready_to_push_repos(name, flags, center, evaluated):
-    """hub/: the adapters `focus-flex retrofit` trained (on the defaults, which center the upper half of the layers;
-    the retrieval one with --center, every layer, and 64 sinks), each with its card: perplexity, then passkey
-    retrieval with its heatmaps."""
+@pytest.mark.parametrize("name,flags,center,sinks,tail,evaluated", [
+    ("smollm2-135m-instruct-focus", ("--dense-tail 64", "--dense-decode"), list(range(15, 30)), 4, 64,
+     {"full", "focus", "soft", "window", "random"}),
+    ("smollm2-135m-instruct-focus-retrieval", ("--center", "--sinks 64"), True, 64, 0,
+     {"full", "focus", "window", "random"})])
+def test_published_adapters_are_ready_to_push_repos(name, flags, center, sinks, tail, evaluated):
+    """hub/: the adapters `focus-flex retrofit` trained (the default one centers the upper half of the layers, and its
+    prompt's last 64 queries and its generation steps attend every token; the retrieval one centers every layer, with
+    64 sinks), each with its card: perplexity, then passkey retrieval with its heatmaps, measured as published."""
     folder = os.path.join(os.path.dirname(__file__), os.pardir, "hub", name)
     config, table = hub.validate_adapter_folder(folder)
     adapter = FocusAdapter.from_pretrained(folder)
     assert config.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and config.model_type == "llama"
     d = DEFAULT_FOCUS  # made by `focus-flex retrofit` with its defaults, but for the flags
     assert (config.num_groups, config.query_top_k, config.key_top_k) == (d.num_groups, d.query_top_k, d.key_top_k)
-    assert config.center == center and config.sink_tokens == (64 if flags else d.sink_tokens)
+    assert config.center == center and config.sink_tokens == sinks and config.dense_tail == tail
     assert all(flag in config.extra["trained_with"] for flag in flags)
     # calibrated means of the centered layers, saved with the centroids (zeros for the others)
     assert table["key_means"]["shape"] == [30, 3, 64]
@@ -688,8 +690,9 @@ def test_published_adapters_are_ready_to_push_repos(name, flags, center, evaluat
     assert "focus-flex retrofit" in card and "perplexity_vs_density.png" in card
     assert card.index("perplexity_vs_density.png") < card.index("## Long-range retrieval (passkey)")
     passkey = json.load(open(os.path.join(folder, "passkey.json"), encoding="utf-8"))
-    # The retrieval adapter decodes densely; its card's retrieval table was measured so.
-    assert config.dense_decode == passkey["focus_config"].get("dense_decode", False) == (center is True)
+    # Both decode densely; the cards' retrieval tables were measured with the published settings.
+    assert config.dense_decode is passkey["focus_config"]["dense_decode"] is True
+    assert passkey["focus_config"].get("dense_tail", 0) == tail
     passkey = passkey["results"]
     modes = {r["mode"] for r in passkey}
     assert {r["length"] for r in passkey} == {1024, 2048, 4096, 8192} and {"full", "focus"} <= modes
@@ -700,4 +703,6 @@ def test_published_adapters_are_ready_to_push_repos(name, flags, center, evaluat
     assert set(modes) == evaluated  # the modes its retrofit command evaluated
     assert modes["focus"]["density"] <= 0.25 and config.extra["results"]["focus"]["perplexity"] == pytest.approx(
         modes["focus"]["perplexity"], rel=1e-3)
+    for baseline in ("window", "random"):  # equal-cost baselines: matched to Focus's density, tail included
+        assert modes[baseline]["density"] == pytest.approx(modes["focus"]["density"], abs=0.005)
     assert os.path.isfile(os.path.join(folder, "perplexity_vs_density.png"))
