@@ -93,6 +93,7 @@ def main() -> None:
     parser.add_argument("--adapter", default="hub/smollm2-135m-instruct-focus-retrieval")
     parser.add_argument("--full-results", required=True, help="passkey.json with full attention's answers")
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--depths", type=int, nargs="+", default=None, help="needle depths (default: all)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--tail", type=int, default=24, help="prompt tokens the tail variant adds")
     parser.add_argument("--dense-tail", type=int, default=None,
@@ -110,9 +111,11 @@ def main() -> None:
         adapter = layer_subset(adapter, args.layers)
     if args.dense_tail is not None:
         adapter.config.dense_tail = args.dense_tail
-    solved = [r for r in load_passkey(args.full_results) if r.mode == "full" and r.correct and r.length in args.lengths]
+    solved = [r for r in load_passkey(args.full_results) if r.mode == "full" and r.correct and r.length in args.lengths
+              and (args.depths is None or r.depth in args.depths)]
     if not solved:
-        raise SystemExit(f"full attention retrieves no key at lengths {args.lengths} in {args.full_results}")
+        raise SystemExit(f"full attention retrieves no key at lengths {args.lengths} (depths {args.depths or 'all'}) "
+                         f"in {args.full_results}")
     adapter.attach(model)
     totals = {}
     for variant in args.variants:
