@@ -52,22 +52,20 @@ RESULTS_JSON, RESULTS_MD, PLOT_PNG = "results.json", "results.md", "perplexity_v
 # ---- densities -----------------------------------------------------------------------------------
 
 
-def window_pairs(n: int, window: int, sinks: int) -> int:
-    """Causal pairs ``(i, j)``, ``j <= i < n``, with ``i - j < window or j < sinks``."""
-    w = min(window, n)
-    band = w * n - w * (w - 1) // 2
-    return band + sum(max(0, n - j - w) for j in range(min(sinks, n)))
-
-
-def window_tail_pairs(n: int, window: int, sinks: int, tail: int) -> int:
-    """Causal pairs that a dense tail (the last ``tail`` queries attend every earlier key) adds to window + sinks."""
-    return sum(i + 1 - min(window, i + 1) - max(0, min(sinks, i - window + 1)) for i in range(n - min(tail, n), n))
+def window_pairs(n: int, window: int, sinks: int, tail: int = 0) -> int:
+    """Causal pairs ``(i, j)``, ``j <= i < n``, with ``i - j < window or j < sinks``, or ``i`` one of the last
+    ``tail`` queries (a dense tail: all their causal pairs)."""
+    tail = min(tail, n)
+    m = n - tail  # the queries before the tail
+    w = min(window, m)
+    band = w * m - w * (w - 1) // 2
+    return band + sum(max(0, m - j - w) for j in range(min(sinks, m))) + tail * (2 * n - tail + 1) // 2
 
 
 def window_density(n: int, window: int, sinks: int, tail: int = 0) -> float:
     """Fraction of the ``n (n + 1) / 2`` causal pairs that window + sinks attention computes (with the last ``tail``
     queries attending densely)."""
-    return (window_pairs(n, window, sinks) + window_tail_pairs(n, window, sinks, tail)) / (n * (n + 1) / 2)
+    return window_pairs(n, window, sinks, tail) / (n * (n + 1) / 2)
 
 
 def matching_window(n: int, sinks: int, density: float, tail: int = 0) -> int:
@@ -110,8 +108,7 @@ def far_density(far: torch.Tensor, n: int, window: int, sinks: int, tail: int = 
     """Density over ``n`` tokens of the hard pattern at ``window``, from the :func:`far_pairs_by_distance` counts
     ``far [..., N - tail]`` of the first ``n - tail`` tokens; the last ``tail`` queries attend every earlier key (a
     dense tail: all their causal pairs)."""
-    dense = tail * (2 * n - tail + 1) // 2
-    return (far[..., window:].sum(-1) + window_pairs(n - tail, window, sinks) + dense) / (n * (n + 1) / 2)
+    return (far[..., window:].sum(-1) + window_pairs(n, window, sinks, tail)) / (n * (n + 1) / 2)
 
 
 def pattern_density(q_member: torch.Tensor, k_member: torch.Tensor, window: int, sinks: int,
@@ -265,6 +262,7 @@ def _evaluate_modes(model: nn.Module, adapter: FocusAdapter, windows: torch.Tens
                     progress: bool, results: dict[str, ModeResult]) -> None:
     """:func:`evaluate`'s runs, each into ``results``."""
     cfg, n = adapter.config, windows.shape[1]
+    tail = cfg.tail(n)  # the prefill's dense tail, the same for the baselines
 
     def run(mode: str, density: float | None, balance: float | None, note: str = "", focus: FocusAdapter | None = None,
             fast: str = "fast") -> None:
@@ -295,7 +293,6 @@ def _evaluate_modes(model: nn.Module, adapter: FocusAdapter, windows: torch.Tens
         elif mode == "soft":
             run("soft", 1.0, None, "soft routing (training path), dense", adapter, fast="soft")
         elif mode == "window":
-            tail = cfg.tail(n)
             w = matching_window(n, cfg.sink_tokens, results["focus"].density, tail)
             with window_only(model, w, cfg.sink_tokens, cfg.layers, dense_tail=cfg.dense_tail):
                 run("window", window_density(n, w, cfg.sink_tokens, tail), None,
@@ -304,7 +301,6 @@ def _evaluate_modes(model: nn.Module, adapter: FocusAdapter, windows: torch.Tens
             rnd = FocusAdapter(cfg, seed=RANDOM_SEED).to(next(model.parameters()).device)
             w = random_window(model, rnd, windows[:1], results["focus"].density, progress)
             rnd = FocusAdapter(replace(cfg, window=w), rnd.centroids.detach())
-            tail = cfg.tail(n)
             run("random", None, None, f"untrained random centroids (seed {RANDOM_SEED}), window {w} + "
                 f"{cfg.sink_tokens} sinks" + (f" + dense tail {tail}" if tail else "")
                 + " (matched to focus's density on the first window)", rnd)

@@ -131,7 +131,6 @@ def test_config_field_round_trips_and_is_checked(tmp_path):
             FocusConfig(dense_tail=bad)
 
 
-
 @torch.no_grad()
 def test_generate_with_every_cache_equals_the_reference():
     """Greedy generate with a dense tail equals the reference path's on the CPU path, the static cache and a
