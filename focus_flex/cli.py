@@ -330,14 +330,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         _check_modes(args.modes)
     for flag, field in (("--query-top-k", "query_top_k"), ("--key-top-k", "key_top_k"), ("--window", "window"),
-                        ("--dense-decode", "dense_decode"), ("--dense-tail", "dense_tail")):
+                        ("--sinks", "sink_tokens"), ("--dense-decode", "dense_decode"),
+                        ("--dense-tail", "dense_tail")):
         value = getattr(args, field)
         if value is not None:
             setattr(adapter.config, field, value)
             try:
                 adapter.config.validate()
             except ValueError as e:
-                hint = {"window": "choose a window >= 1 token", "dense_tail": "choose 0 or more queries"}.get(
+                hint = {"window": "choose a window >= 1 token", "sink_tokens": "choose 0 or more sink tokens",
+                        "dense_tail": "choose 0 or more queries"}.get(
                     field, f"the adapter has {adapter.config.num_groups} groups per KV head; choose 1 to "
                            f"{adapter.config.num_groups}")
                 raise CliError(f"{flag} {value}: {hint} ({e}).") from e
@@ -541,6 +543,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--query-top-k", type=int, default=None, help="groups each query joins (default: the adapter's)")
     k.add_argument("--key-top-k", type=int, default=None, help="groups each key joins (default: the adapter's)")
     k.add_argument("--window", type=int, default=None, help="sliding window (tokens; default: the adapter's)")
+    k.add_argument("--sinks", dest="sink_tokens", type=int, default=None,
+                   help="first tokens every query attends (default: the adapter's)")
     k.add_argument("--dense-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="decode steps attend every earlier token (default: the adapter's; docs/passkey.md)")
     k.add_argument("--dense-tail", type=int, default=None, metavar="N",

@@ -88,9 +88,19 @@ def test_retrofit_then_eval(tiny, tmp_path, capsys):
     assert main(["eval", str(adapter_dir), "--model", str(tiny / "model"), "--data", str(tiny / "eval"),
                  "--context", "64", "--eval-windows", "1", "--modes", "focus", "--window", "4", "--dense-decode",
                  "--dense-tail", "3", "--output-dir", str(narrower), "--no-progress"]) == 0
-    assert json.loads((narrower / RESULTS_JSON).read_text())["results"][0]["density"] < results["results"][1]["density"]
+    narrow_density = json.loads((narrower / RESULTS_JSON).read_text())["results"][0]["density"]
+    assert narrow_density < results["results"][1]["density"]
     config = FocusAdapter.from_pretrained(str(narrower)).config
     assert config.window == 4 and config.dense_decode and not adapter.config.dense_decode
+    # More sinks: every query attends the first 16 tokens, more pairs than the same settings with 2.
+    sunk = tmp_path / "eval-s16"
+    assert main(["eval", str(adapter_dir), "--model", str(tiny / "model"), "--data", str(tiny / "eval"),
+                 "--context", "64", "--eval-windows", "1", "--modes", "focus", "--window", "4", "--sinks", "16",
+                 "--dense-tail", "3", "--output-dir", str(sunk), "--no-progress"]) == 0
+    assert json.loads((sunk / RESULTS_JSON).read_text())["results"][0]["density"] > narrow_density
+    assert FocusAdapter.from_pretrained(str(sunk)).config.sink_tokens == 16 and adapter.config.sink_tokens == 2
+    assert main(["eval", str(adapter_dir), "--sinks", "-1", "--no-progress"]) == 2
+    assert "--sinks -1: choose 0 or more sink tokens" in capsys.readouterr().err
     assert config.dense_tail == 3 and adapter.config.dense_tail == 0
     assert main(["eval", str(adapter_dir), "--dense-tail", "-2", "--no-progress"]) == 2
     assert "dense_tail=-2 must be an int >= 0" in capsys.readouterr().err
