@@ -9,7 +9,10 @@ dense SDPA with the pattern as mask) plus one kind of extra pairs:
   the fast path;
 * ``tail`` — as ``decode``, and the prompt's last ``--tail`` tokens (the question and the answer's start) too;
 * ``needle`` — every query attends the needle's tokens;
-* ``needle-rows`` — the needle's own queries attend every earlier token.
+* ``needle-rows`` — the needle's own queries attend every earlier token;
+* ``denominator`` — no pairs added, but the pairs the pattern drops still count in each row's softmax normaliser
+  (full attention's probabilities on the kept pairs, not renormalised to them: the dropped keys act as a sink whose
+  value is zero).
 
 A variant that recovers the keys says which queries lose them. ``--layers`` keeps Focus in those layers only (the
 others attend fully): which layers' patterns lose them. ``--dense-tail N`` sets the adapter's
@@ -37,7 +40,7 @@ from focus_flex.attention import focus_pattern
 from focus_flex.models import load_model
 from focus_flex.passkey import build_prompt, greedy_answer, load_passkey, score
 
-VARIANTS = ("none", "decode", "tail", "needle", "needle-rows")
+VARIANTS = ("none", "decode", "tail", "needle", "needle-rows", "denominator")
 
 
 @contextlib.contextmanager
@@ -49,6 +52,28 @@ def widened_reference(widen: Callable[..., torch.Tensor]):
         mask = focus_pattern(q, k, centroids, config, attention_mask=attention_mask, centering=centering)
         mask = widen(mask, q, k, centroids, config, attention_mask=attention_mask)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+    with mock.patch.object(focus_flex.adapter, "reference_attention", attention):
+        yield
+
+
+@contextlib.contextmanager
+def full_denominator():
+    """The reference path with full attention's probabilities on the Focus pattern's pairs (the dropped pairs stay
+    in the normaliser and add no value), one head at a time."""
+
+    def attention(q, k, v, centroids, config, *, attention_mask=None, scale=None, centering=None):
+        mask = focus_pattern(q, k, centroids, config, attention_mask=attention_mask, centering=centering)
+        lq, lk, group = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
+        causal = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
+        if attention_mask is not None:
+            causal = causal & attention_mask.bool()[:, None, :]
+        out = torch.empty_like(q)
+        for h in range(q.shape[1]):
+            scores = (q[:, h] @ k[:, h // group].transpose(-1, -2)) * (scale or q.shape[-1] ** -0.5)
+            p = scores.masked_fill(~causal, float("-inf")).softmax(-1).masked_fill(~mask[:, h], 0.0)
+            out[:, h] = p @ v[:, h // group]
+        return out
 
     with mock.patch.object(focus_flex.adapter, "reference_attention", attention):
         yield
@@ -69,6 +94,10 @@ def extra_pairs(variant: str, prompt_len: int, needle: tuple[int, int], tail: in
             return mask | ((rows >= needle[0]) & (rows < needle[1]) & causal)
         return mask | ((cols >= needle[0]) & (cols < needle[1]) & causal)
 
+    if variant == "denominator":
+        with full_denominator():
+            yield
+        return
     if variant not in ("tail", "needle", "needle-rows"):
         yield
         return

@@ -167,6 +167,33 @@ def test_passkey_oracle_needle_rows_attend_everything_and_the_rest_keep_the_patt
     assert not torch.allclose(focus[:, :, rows], dense[:, :, rows], atol=1e-3)  # the pattern alone is not dense there
 
 
+def test_passkey_oracle_denominator_keeps_full_attentions_probabilities_on_the_pattern():
+    """``passkey_oracle --variants denominator``: full attention's softmax, its probabilities zeroed off the Focus
+    pattern and not renormalised (checked against a hand-built softmax and dense SDPA where the pattern is dense)."""
+    import torch
+    import torch.nn.functional as F
+
+    import focus_flex.adapter
+    from benchmarks.passkey_oracle import extra_pairs
+    from focus_flex import FocusConfig
+    from focus_flex.attention import focus_pattern
+
+    torch.manual_seed(0)
+    config = FocusConfig(num_groups=4, window=8, sink_tokens=2)
+    q, k, v = torch.randn(1, 4, 64, 16), torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
+    centroids = F.normalize(torch.randn(2, 4, 16), dim=-1)
+    with extra_pairs("denominator", 64, (0, 0), tail=0):
+        out = focus_flex.adapter.reference_attention(q, k, v, centroids, config)
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    causal = torch.ones(64, 64, dtype=torch.bool).tril()
+    p = (q @ kk.transpose(-1, -2) / 4).masked_fill(~causal, float("-inf")).softmax(-1)
+    mask = focus_pattern(q, k, centroids, config)
+    assert torch.allclose(out, (p * mask) @ vv, atol=1e-5)
+    dense = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.allclose(out[:, :, :8], dense[:, :, :8], atol=1e-5)  # rows inside the window: nothing dropped
+    assert not torch.allclose(out[:, :, 32:], dense[:, :, 32:], atol=1e-3)
+
+
 def test_union_study_adds_the_other_adapters_pattern_in_the_chosen_layers():
     """``union_study``: with an "other" adapter whose window covers the whole text, its pattern in layer 1 is full
     attention, so the union equals Focus in layer 0 only (passkey_oracle.layer_subset); the pairs count it."""
