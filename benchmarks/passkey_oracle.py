@@ -12,7 +12,10 @@ dense SDPA with the pattern as mask) plus one kind of extra pairs:
 * ``needle-rows`` — the needle's own queries attend every earlier token;
 * ``denominator`` — no pairs added, but the pairs the pattern drops still count in each row's softmax normaliser
   (full attention's probabilities on the kept pairs, not renormalised to them: the dropped keys act as a sink whose
-  value is zero).
+  value is zero);
+* ``summaries`` — every query also attends one summary per block of ``SUMMARY_BLOCK`` keys that lies wholly before
+  its window (the block's mean key with a logit bias of log(block), its mean value): a cheap view of all the far
+  context besides the groups.
 
 A variant that recovers the keys says which queries lose them. ``--layers`` keeps Focus in those layers only (the
 others attend fully): which layers' patterns lose them. ``--dense-tail N`` sets the adapter's
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from unittest import mock
@@ -40,7 +44,8 @@ from focus_flex.attention import focus_pattern
 from focus_flex.models import load_model
 from focus_flex.passkey import build_prompt, greedy_answer, load_passkey, score
 
-VARIANTS = ("none", "decode", "tail", "needle", "needle-rows", "denominator")
+VARIANTS = ("none", "decode", "tail", "needle", "needle-rows", "denominator", "summaries")
+SUMMARY_BLOCK = 64
 
 
 @contextlib.contextmanager
@@ -80,6 +85,39 @@ def full_denominator():
 
 
 @contextlib.contextmanager
+def block_summaries(block: int = SUMMARY_BLOCK):
+    """The reference path with, for every query, the Focus pattern plus one summary key per block of ``block`` keys
+    wholly before its window and after the sinks (mean key, logit + log(block); mean value), one head at a time."""
+
+    def attention(q, k, v, centroids, config, *, attention_mask=None, scale=None, centering=None):
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise NotImplementedError("the summaries variant takes unpadded prompts")
+        mask = focus_pattern(q, k, centroids, config, attention_mask=attention_mask, centering=centering)
+        lq, lk, group = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
+        nb = lk // block
+        starts = torch.arange(nb) * block
+        rows = torch.arange(lk - lq, lk)[:, None]
+        # a block is summarised for query i when all of it lies in [sinks, i - window]
+        seen = (starts[None, :] >= config.sink_tokens) & (starts[None, :] + block - 1 <= rows - config.window)
+        if config.dense_decode and lq <= 16:
+            seen = torch.zeros_like(seen)  # dense decode steps attend every key already
+        scale = scale or q.shape[-1] ** -0.5
+        out = torch.empty_like(q)
+        for h in range(q.shape[1]):
+            kh, vh = k[:, h // group], v[:, h // group]
+            k_sum = kh[:, :nb * block].unflatten(1, (nb, block)).mean(2)
+            v_sum = vh[:, :nb * block].unflatten(1, (nb, block)).mean(2)
+            scores = torch.cat([(q[:, h] @ kh.transpose(-1, -2) * scale).masked_fill(~mask[:, h], float("-inf")),
+                                (q[:, h] @ k_sum.transpose(-1, -2) * scale + math.log(block)).masked_fill(
+                                    ~seen, float("-inf"))], -1)
+            out[:, h] = scores.softmax(-1) @ torch.cat([vh, v_sum], 1)
+        return out
+
+    with mock.patch.object(focus_flex.adapter, "reference_attention", attention):
+        yield
+
+
+@contextlib.contextmanager
 def extra_pairs(variant: str, prompt_len: int, needle: tuple[int, int], tail: int):
     """The reference path with ``variant``'s pairs allowed on top of the Focus pattern (``tail``, ``needle``,
     ``needle-rows``); the others run the library as it is."""
@@ -94,8 +132,8 @@ def extra_pairs(variant: str, prompt_len: int, needle: tuple[int, int], tail: in
             return mask | ((rows >= needle[0]) & (rows < needle[1]) & causal)
         return mask | ((cols >= needle[0]) & (cols < needle[1]) & causal)
 
-    if variant == "denominator":
-        with full_denominator():
+    if variant in ("denominator", "summaries"):
+        with full_denominator() if variant == "denominator" else block_summaries():
             yield
         return
     if variant not in ("tail", "needle", "needle-rows"):

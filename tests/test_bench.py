@@ -194,6 +194,38 @@ def test_passkey_oracle_denominator_keeps_full_attentions_probabilities_on_the_p
     assert not torch.allclose(out[:, :, 32:], dense[:, :, 32:], atol=1e-3)
 
 
+def test_passkey_oracle_summaries_add_one_mean_key_per_far_block():
+    """``passkey_oracle --variants summaries``: the Focus pattern plus, per query, the mean key (logit + log block) and
+    mean value of every block wholly between the sinks and its window (checked against a hand-built softmax)."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    import focus_flex.adapter
+    from benchmarks.passkey_oracle import block_summaries
+    from focus_flex import FocusConfig
+    from focus_flex.attention import focus_pattern, reference_attention
+
+    torch.manual_seed(0)
+    config = FocusConfig(num_groups=4, window=8, sink_tokens=2)
+    q, k, v = torch.randn(1, 4, 64, 16), torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
+    centroids = F.normalize(torch.randn(2, 4, 16), dim=-1)
+    with block_summaries(16):
+        out = focus_flex.adapter.reference_attention(q, k, v, centroids, config)
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    mask = focus_pattern(q, k, centroids, config)
+    k_sum, v_sum = kk.unflatten(2, (4, 16)).mean(3), vv.unflatten(2, (4, 16)).mean(3)  # [1, 4, blocks, 16]
+    i, b = torch.arange(64)[:, None], torch.arange(4)[None, :]
+    seen = (b * 16 >= 2) & (b * 16 + 15 <= i - 8)  # block 0 holds the sinks; block 1 from query 39 on
+    scores = torch.cat([(q @ kk.transpose(-1, -2) / 4).masked_fill(~mask, float("-inf")),
+                        (q @ k_sum.transpose(-1, -2) / 4 + math.log(16)).masked_fill(~seen, float("-inf"))], -1)
+    assert torch.allclose(out, scores.softmax(-1) @ torch.cat([vv, v_sum], 2), atol=1e-5)
+    focus = reference_attention(q, k, v, centroids, config)
+    assert torch.allclose(out[:, :, :39], focus[:, :, :39], atol=1e-6)  # no whole block before the window yet
+    assert not torch.allclose(out[:, :, 39:], focus[:, :, 39:], atol=1e-3)
+
+
 def test_union_study_adds_the_other_adapters_pattern_in_the_chosen_layers():
     """``union_study``: with an "other" adapter whose window covers the whole text, its pattern in layer 1 is full
     attention, so the union equals Focus in layer 0 only (passkey_oracle.layer_subset); the pairs count it."""
