@@ -87,7 +87,8 @@ def full_denominator():
 @contextlib.contextmanager
 def block_summaries(block: int = SUMMARY_BLOCK):
     """The reference path with, for every query, the Focus pattern plus one summary key per block of ``block`` keys
-    wholly before its window and after the sinks (mean key, logit + log(block); mean value), one head at a time."""
+    wholly before its window and after the sinks (mean key, logit + log(block); mean value), one head at a time; rows
+    the pattern makes dense get none."""
 
     def attention(q, k, v, centroids, config, *, attention_mask=None, scale=None, centering=None):
         if attention_mask is not None and not bool(attention_mask.all()):
@@ -99,17 +100,18 @@ def block_summaries(block: int = SUMMARY_BLOCK):
         rows = torch.arange(lk - lq, lk)[:, None]
         # a block is summarised for query i when all of it lies in [sinks, i - window]
         seen = (starts[None, :] >= config.sink_tokens) & (starts[None, :] + block - 1 <= rows - config.window)
-        if config.dense_decode and lq <= 16:
-            seen = torch.zeros_like(seen)  # dense decode steps attend every key already
+        causal = (torch.arange(lk)[None, :] <= rows).sum(-1)  # [Lq] keys each query may attend
         scale = scale or q.shape[-1] ** -0.5
         out = torch.empty_like(q)
         for h in range(q.shape[1]):
             kh, vh = k[:, h // group], v[:, h // group]
+            # rows the pattern already makes dense (a dense tail, dense decode steps) attend every key: no summaries
+            seen_h = seen & (mask[:, h].sum(-1) < causal)[..., None]  # [B, Lq, blocks]
             k_sum = kh[:, :nb * block].unflatten(1, (nb, block)).mean(2)
             v_sum = vh[:, :nb * block].unflatten(1, (nb, block)).mean(2)
             scores = torch.cat([(q[:, h] @ kh.transpose(-1, -2) * scale).masked_fill(~mask[:, h], float("-inf")),
                                 (q[:, h] @ k_sum.transpose(-1, -2) * scale + math.log(block)).masked_fill(
-                                    ~seen, float("-inf"))], -1)
+                                    ~seen_h, float("-inf"))], -1)
             out[:, h] = scores.softmax(-1) @ torch.cat([vh, v_sum], 1)
         return out
 

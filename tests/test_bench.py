@@ -224,6 +224,13 @@ def test_passkey_oracle_summaries_add_one_mean_key_per_far_block():
     focus = reference_attention(q, k, v, centroids, config)
     assert torch.allclose(out[:, :, :39], focus[:, :, :39], atol=1e-6)  # no whole block before the window yet
     assert not torch.allclose(out[:, :, 39:], focus[:, :, 39:], atol=1e-3)
+    # A dense tail's queries attend every key already: they get no summaries on top.
+    config.dense_tail = 4
+    with block_summaries(16):
+        out = focus_flex.adapter.reference_attention(q, k, v, centroids, config)
+    dense = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.allclose(out[:, :, 60:], dense[:, :, 60:], atol=1e-5)
+    assert torch.allclose(out[:, :, 39:60], scores.softmax(-1)[:, :, 39:60] @ torch.cat([vv, v_sum], 2), atol=1e-5)
 
 
 def test_union_study_adds_the_other_adapters_pattern_in_the_chosen_layers():
