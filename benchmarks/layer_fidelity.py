@@ -1,11 +1,12 @@
 """``python -m benchmarks.layer_fidelity``: how much of each layer's attention an adapter's hard pattern keeps.
 
-For a passkey prompt (``--haystack``, ``--length``; the needle at 10% depth) the model runs once with its own
+For a passkey prompt (``--haystack``, ``--length``; the needle at ``--depth``) the model runs once with its own
 attention; for ``--queries`` random query positions in the prompt's second half, every Focus layer reports, averaged
-over its heads: the share of full attention's probability mass on pairs the adapter's hard pattern computes
-(``kept``), the relative squared error of the layer output with the row renormalised to those pairs
-(``error``: :func:`focus_flex.train.output_error`), and the mass full attention puts beyond the window and sinks
-(``far``). Several ``--adapters`` are compared side by side on the same forward.
+over its heads (with ``--per-head``, over the query heads of each KV head): the share of full attention's
+probability mass on pairs the adapter's hard pattern computes (``kept``), the relative squared error of the layer
+output with the row renormalised to those pairs (``error``: :func:`focus_flex.train.output_error`), and the mass
+full attention puts beyond the window and sinks (``far``).
+Several ``--adapters`` are compared side by side on the same forward.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from focus_flex.train import QKV, _attention_rows, centerings, hard_fidelity, te
 
 @torch.no_grad()
 def layer_fidelity(model: torch.nn.Module, adapter: FocusAdapter, qkv: QKV,
-                   query_idx: torch.Tensor) -> dict[int, tuple[float, float, float]]:
-    """``{layer: (kept, error, far)}`` of ``adapter``'s hard pattern on the captured ``qkv`` of one forward of
-    ``model`` (:func:`focus_flex.train.teacher_qkv`) at the query positions ``query_idx [Q]``, means over heads."""
+                   query_idx: torch.Tensor) -> dict[int, torch.Tensor]:
+    """``{layer: [3, Hq]}``: (kept, error, far) per query head of ``adapter``'s hard pattern on the captured ``qkv``
+    of one forward of ``model`` (:func:`focus_flex.train.teacher_qkv`) at the query positions ``query_idx [Q]``."""
     centering = centerings(adapter, model)
     out = {}
     for layer, slot in adapter.slot.items():
@@ -33,9 +34,17 @@ def layer_fidelity(model: torch.nn.Module, adapter: FocusAdapter, qkv: QKV,
         kept, error = hard_fidelity(q, k, v, adapter.centroids.detach()[slot], adapter.config, query_idx, scale,
                                     centering.get(slot))
         p, near, future = _attention_rows(q, k, adapter.config, query_idx, scale)
-        far = (p * ~(near | future)).sum(-1).mean()
-        out[layer] = (kept.mean().item(), error.mean().item(), far.item())
+        far = (p * ~(near | future)).sum(-1).mean(-1)
+        out[layer] = torch.stack([kept[0], error[0], far[0]])
     return out
+
+
+def _cell(row: torch.Tensor | None, kv_head: int | None, hkv: int) -> str:
+    """``kept / error / far`` of one layer's ``row [3, Hq]``: the mean over its heads, or over one KV head's."""
+    if row is None:
+        return "-"
+    row = row.mean(-1) if kv_head is None else row.unflatten(-1, (hkv, -1))[:, kv_head].mean(-1)
+    return " / ".join(f"{x:.3f}" for x in row.tolist())
 
 
 def main() -> None:
@@ -44,23 +53,28 @@ def main() -> None:
                                                           "hub/smollm2-135m-instruct-focus-retrieval"])
     parser.add_argument("--haystack", choices=["filler", "prose"], default="prose")
     parser.add_argument("--length", type=int, default=8192)
+    parser.add_argument("--depth", type=int, default=10, help="the needle's depth, % of the prompt")
+    parser.add_argument("--per-head", action="store_true", help="one row per (layer, KV head)")
     parser.add_argument("--queries", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     print(" | ".join(f"{k}: {v}" for k, v in machine_info().items()))
     model, tokenizer = load_model()
     model.eval()
-    prompt = build_prompt(tokenizer, args.length, 10, "49396", args.haystack)
+    prompt = build_prompt(tokenizer, args.length, args.depth, "49396", args.haystack)
     gen = torch.Generator().manual_seed(args.seed)
     idx = torch.randint(args.length // 2, args.length, (args.queries,), generator=gen).sort().values
     qkv = teacher_qkv(model, prompt.input_ids[None])
     rows = {a: layer_fidelity(model, FocusAdapter.from_pretrained(a), qkv, idx) for a in args.adapters}
-    print(f"\n{args.haystack}, {args.length} tokens, {args.queries} queries: kept / error / far per adapter\n")
-    print("| layer | " + " | ".join(args.adapters) + " |")
+    hkv = model.config.num_key_value_heads
+    print(f"\n{args.haystack}, {args.length} tokens, needle at {args.depth}%, {args.queries} queries: kept / error / "
+          "far per adapter\n")
+    print(f"| {'layer.KV head' if args.per_head else 'layer'} | " + " | ".join(args.adapters) + " |")
     print("|---|" + "---|" * len(args.adapters))
     for layer in sorted(set().union(*(r.keys() for r in rows.values()))):
-        cells = [" / ".join(f"{x:.3f}" for x in rows[a][layer]) if layer in rows[a] else "-" for a in args.adapters]
-        print(f"| {layer} | " + " | ".join(cells) + " |")
+        for h in range(hkv) if args.per_head else [None]:
+            name = layer if h is None else f"{layer}.{h}"
+            print(f"| {name} | " + " | ".join(_cell(rows[a].get(layer), h, hkv) for a in args.adapters) + " |")
 
 
 if __name__ == "__main__":

@@ -18,11 +18,12 @@ dense SDPA with the pattern as mask) plus one kind of extra pairs:
   context besides the groups.
 
 A variant that recovers the keys says which queries lose them. ``--layers`` keeps Focus in those layers only (the
-others attend fully): which layers' patterns lose them. ``--dense-tail N`` sets the adapter's
-``FocusConfig.dense_tail`` (the prompt's last N queries attend every token) and ``--dense-decode`` its
-``FocusConfig.dense_decode`` in every variant. Nothing here changes
-the library: the extra pairs are added by wrapping :func:`focus_flex.attention.reference_attention` for the duration
-of the run.
+others attend fully): which layers' patterns lose them; ``--dense-heads L.H ...`` makes KV head H of layer L (its
+query heads) attend fully, the others keeping Focus, on any path: which heads' patterns lose them.
+``--dense-tail N`` sets the adapter's ``FocusConfig.dense_tail`` (the prompt's last N queries attend every token) and
+``--dense-decode`` its ``FocusConfig.dense_decode`` in every variant. Nothing here changes the library: the extra
+pairs are added by wrapping :func:`focus_flex.attention.reference_attention` (dense heads:
+:meth:`focus_flex.FocusAdapter.forward`) for the duration of the run.
 """
 
 from __future__ import annotations
@@ -145,6 +146,43 @@ def extra_pairs(variant: str, prompt_len: int, needle: tuple[int, int], tail: in
         yield
 
 
+@contextlib.contextmanager
+def dense_heads(heads: dict[int, list[int]]):
+    """Every Focus layer's output with the query heads of the KV heads ``heads[layer]`` replaced by full causal
+    attention (on whichever path the adapter runs)."""
+    focus_forward = FocusAdapter.forward
+
+    def forward(self, module, slot, query, key, value, padding, scaling, cache_layer=None):
+        out = focus_forward(self, module, slot, query, key, value, padding, scaling, cache_layer)
+        kv = heads.get(self.config.layers[slot], [])
+        if not kv:
+            return out
+        group, (lq, lk) = query.shape[1] // key.shape[1], (query.shape[2], key.shape[2])
+        qh = [h * group + j for h in kv for j in range(group)]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(lk - lq)
+        if padding is not None:
+            mask = mask & padding.bool()[:, None, None, :lk]
+        out = out.clone()
+        out[:, qh] = F.scaled_dot_product_attention(query[:, qh], key[:, kv].repeat_interleave(group, 1),
+                                                    value[:, kv].repeat_interleave(group, 1), attn_mask=mask,
+                                                    scale=scaling)
+        return out
+
+    with mock.patch.object(FocusAdapter, "forward", forward):
+        yield
+
+
+def parse_heads(specs: list[str]) -> dict[int, list[int]]:
+    """``["3.0", "3.2", "7.1"]`` -> ``{3: [0, 2], 7: [1]}`` (layer.KV head)."""
+    heads: dict[int, list[int]] = {}
+    for spec in specs:
+        layer, _, head = spec.partition(".")
+        if not (layer.isdigit() and head.isdigit()):
+            raise SystemExit(f"--dense-heads {spec!r}: expected LAYER.KV_HEAD, e.g. 3.1")
+        heads.setdefault(int(layer), []).append(int(head))
+    return heads
+
+
 def layer_subset(adapter: FocusAdapter, layers: list[int]) -> FocusAdapter:
     """The same centroids (and means) on ``layers`` only, a subset of the adapter's Focus layers."""
     missing = sorted(set(layers) - set(adapter.slot))
@@ -171,7 +209,10 @@ def main() -> None:
                         help="FocusConfig.dense_decode for every variant (default: only for the decode variant)")
     parser.add_argument("--layers", type=int, nargs="+", default=None,
                         help="Focus in these layers only, full attention in the others (default: all)")
+    parser.add_argument("--dense-heads", nargs="+", default=[], metavar="L.H",
+                        help="KV head H of layer L attends fully (its query heads), e.g. 3.0 3.2 7.1")
     args = parser.parse_args()
+    heads = parse_heads(args.dense_heads)
     print(" | ".join(f"{k}: {v}" for k, v in machine_info().items()))
     model, tokenizer = load_model()
     model.eval()
@@ -194,7 +235,7 @@ def main() -> None:
         for r in solved:
             prompt = build_prompt(tokenizer, r.length, r.depth, r.key, r.haystack, r.key_number)
             t0 = time.perf_counter()
-            with extra_pairs(variant, len(prompt.input_ids), prompt.needle, args.tail):
+            with extra_pairs(variant, len(prompt.input_ids), prompt.needle, args.tail), dense_heads(heads):
                 answer = greedy_answer(model, tokenizer, prompt.input_ids)
             correct = score(answer, r.key)
             hits += correct
@@ -202,7 +243,7 @@ def main() -> None:
                   f"{'correct' if correct else 'wrong'} ({time.perf_counter() - t0:.0f} s)", flush=True)
         totals[variant] = f"{hits}/{len(solved)}"
     print(f"keys full attention retrieves, retrieved by the adapter (Focus layers {adapter.config.layers}, dense tail "
-          f"{adapter.config.dense_tail}) plus:", totals)
+          f"{adapter.config.dense_tail}, dense KV heads {args.dense_heads or 'none'}) plus:", totals)
 
 
 if __name__ == "__main__":
