@@ -19,9 +19,11 @@ dense SDPA with the pattern as mask) plus one kind of extra pairs:
 
 A variant that recovers the keys says which queries lose them. ``--layers`` keeps Focus in those layers only (the
 others attend fully): which layers' patterns lose them; ``--dense-heads L.H ...`` makes KV head H of layer L (its
-query heads) attend fully, the others keeping Focus, on any path: which heads' patterns lose them.
+query heads) attend fully, the others keeping Focus, on any path: which heads' patterns lose them; ``--dense-rows A B``
+makes the prompt's queries at positions ``[A, B)`` attend fully in every layer, on any path: whose rows lose them.
 ``--dense-tail N`` sets the adapter's ``FocusConfig.dense_tail`` (the prompt's last N queries attend every token) and
-``--dense-decode`` its ``FocusConfig.dense_decode`` in every variant. Nothing here changes the library: the extra
+``--dense-decode`` / ``--no-dense-decode`` its ``FocusConfig.dense_decode`` in every variant but ``decode`` (default:
+the adapter's own). Nothing here changes the library: the extra
 pairs are added by wrapping :func:`focus_flex.attention.reference_attention` (dense heads:
 :meth:`focus_flex.FocusAdapter.forward`) for the duration of the run.
 """
@@ -172,6 +174,30 @@ def dense_heads(heads: dict[int, list[int]]):
         yield
 
 
+@contextlib.contextmanager
+def dense_rows(start: int, stop: int):
+    """Every Focus layer's prefill output with the rows of the queries at positions ``[start, stop)`` replaced by full
+    causal attention (on whichever path the adapter runs; unpadded prompts)."""
+    focus_forward = FocusAdapter.forward
+
+    def forward(self, module, slot, query, key, value, padding, scaling, cache_layer=None):
+        out = focus_forward(self, module, slot, query, key, value, padding, scaling, cache_layer)
+        lq, lk = query.shape[2], key.shape[2]
+        if lq != lk or start >= min(stop, lq):  # decode steps, or no such rows
+            return out
+        if padding is not None and not bool(padding.all()):
+            raise NotImplementedError("--dense-rows takes unpadded prompts")
+        b = min(stop, lq)
+        mask = torch.ones(b - start, b, dtype=torch.bool, device=query.device).tril(start)
+        out = out.clone()
+        out[:, :, start:b] = F.scaled_dot_product_attention(query[:, :, start:b], key[:, :, :b], value[:, :, :b],
+                                                            attn_mask=mask, scale=scaling, enable_gqa=True)
+        return out
+
+    with mock.patch.object(FocusAdapter, "forward", forward):
+        yield
+
+
 def parse_heads(specs: list[str]) -> dict[int, list[int]]:
     """``["3.0", "3.2", "7.1"]`` -> ``{3: [0, 2], 7: [1]}`` (layer.KV head)."""
     heads: dict[int, list[int]] = {}
@@ -205,12 +231,15 @@ def main() -> None:
     parser.add_argument("--tail", type=int, default=24, help="prompt tokens the tail variant adds")
     parser.add_argument("--dense-tail", type=int, default=None,
                         help="FocusConfig.dense_tail for every variant (default: the adapter's)")
-    parser.add_argument("--dense-decode", action="store_true",
-                        help="FocusConfig.dense_decode for every variant (default: only for the decode variant)")
+    parser.add_argument("--dense-decode", action=argparse.BooleanOptionalAction, default=None,
+                        help="FocusConfig.dense_decode for every variant but decode, which has it (default: the "
+                             "adapter's own)")
     parser.add_argument("--layers", type=int, nargs="+", default=None,
                         help="Focus in these layers only, full attention in the others (default: all)")
     parser.add_argument("--dense-heads", nargs="+", default=[], metavar="L.H",
                         help="KV head H of layer L attends fully (its query heads), e.g. 3.0 3.2 7.1")
+    parser.add_argument("--dense-rows", type=int, nargs=2, default=None, metavar=("A", "B"),
+                        help="the prompt's queries at positions [A, B) attend fully in every layer")
     args = parser.parse_args()
     heads = parse_heads(args.dense_heads)
     print(" | ".join(f"{k}: {v}" for k, v in machine_info().items()))
@@ -226,16 +255,18 @@ def main() -> None:
     if not solved:
         raise SystemExit(f"full attention retrieves no key at lengths {args.lengths} (depths {args.depths or 'all'}) "
                          f"in {args.full_results}")
+    own_dense_decode = adapter.config.dense_decode if args.dense_decode is None else args.dense_decode
     adapter.attach(model)
     totals = {}
     for variant in args.variants:
         adapter.mode = "fast" if variant in ("none", "decode") else "reference"  # the others patch the reference
-        adapter.config.dense_decode = variant == "decode" or args.dense_decode
+        adapter.config.dense_decode = variant == "decode" or own_dense_decode
         hits = 0
         for r in solved:
             prompt = build_prompt(tokenizer, r.length, r.depth, r.key, r.haystack, r.key_number)
             t0 = time.perf_counter()
-            with extra_pairs(variant, len(prompt.input_ids), prompt.needle, args.tail), dense_heads(heads):
+            with extra_pairs(variant, len(prompt.input_ids), prompt.needle, args.tail), dense_heads(heads), \
+                    dense_rows(*(args.dense_rows or (0, 0))):
                 answer = greedy_answer(model, tokenizer, prompt.input_ids)
             correct = score(answer, r.key)
             hits += correct
@@ -243,7 +274,8 @@ def main() -> None:
                   f"{'correct' if correct else 'wrong'} ({time.perf_counter() - t0:.0f} s)", flush=True)
         totals[variant] = f"{hits}/{len(solved)}"
     print(f"keys full attention retrieves, retrieved by the adapter (Focus layers {adapter.config.layers}, dense tail "
-          f"{adapter.config.dense_tail}, dense KV heads {args.dense_heads or 'none'}) plus:", totals)
+          f"{adapter.config.dense_tail}, dense decode {own_dense_decode}, dense KV heads {args.dense_heads or 'none'}, "
+          f"dense rows {args.dense_rows or 'none'}) plus:", totals)
 
 
 if __name__ == "__main__":
