@@ -18,13 +18,13 @@ dense SDPA with the pattern as mask) plus one kind of extra pairs:
   context besides the groups.
 
 A variant that recovers the keys says which queries lose them. ``--layers`` keeps Focus in those layers only (the
-others attend fully): which layers' patterns lose them; ``--dense-heads L.H ...`` makes KV head H of layer L (its
-query heads) attend fully, the others keeping Focus, on any path: which heads' patterns lose them; ``--dense-rows A B``
+others attend fully): which layers' patterns lose them; ``--dense-heads L.H ...`` sets the adapter's
+``FocusConfig.dense_heads`` (KV head H of layer L attends fully): which heads' patterns lose them; ``--dense-rows A B``
 makes the prompt's queries at positions ``[A, B)`` attend fully in every layer, on any path: whose rows lose them.
 ``--dense-tail N`` sets the adapter's ``FocusConfig.dense_tail`` (the prompt's last N queries attend every token) and
 ``--dense-decode`` / ``--no-dense-decode`` its ``FocusConfig.dense_decode`` in every variant but ``decode`` (default:
 the adapter's own). Nothing here changes the library: the extra
-pairs are added by wrapping :func:`focus_flex.attention.reference_attention` (dense heads:
+pairs are added by wrapping :func:`focus_flex.attention.reference_attention` (dense rows:
 :meth:`focus_flex.FocusAdapter.forward`) for the duration of the run.
 """
 
@@ -44,6 +44,7 @@ import focus_flex.adapter
 from benchmarks.bench import machine_info
 from focus_flex import FocusAdapter, FocusConfig
 from focus_flex.attention import focus_pattern
+from focus_flex.cli import layer_head
 from focus_flex.models import load_model
 from focus_flex.passkey import build_prompt, greedy_answer, load_passkey, score
 
@@ -149,32 +150,6 @@ def extra_pairs(variant: str, prompt_len: int, needle: tuple[int, int], tail: in
 
 
 @contextlib.contextmanager
-def dense_heads(heads: dict[int, list[int]]):
-    """Every Focus layer's output with the query heads of the KV heads ``heads[layer]`` replaced by full causal
-    attention (on whichever path the adapter runs)."""
-    focus_forward = FocusAdapter.forward
-
-    def forward(self, module, slot, query, key, value, padding, scaling, cache_layer=None):
-        out = focus_forward(self, module, slot, query, key, value, padding, scaling, cache_layer)
-        kv = heads.get(self.config.layers[slot], [])
-        if not kv:
-            return out
-        group, (lq, lk) = query.shape[1] // key.shape[1], (query.shape[2], key.shape[2])
-        qh = [h * group + j for h in kv for j in range(group)]
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(lk - lq)
-        if padding is not None:
-            mask = mask & padding.bool()[:, None, None, :lk]
-        out = out.clone()
-        out[:, qh] = F.scaled_dot_product_attention(query[:, qh], key[:, kv].repeat_interleave(group, 1),
-                                                    value[:, kv].repeat_interleave(group, 1), attn_mask=mask,
-                                                    scale=scaling)
-        return out
-
-    with mock.patch.object(FocusAdapter, "forward", forward):
-        yield
-
-
-@contextlib.contextmanager
 def dense_rows(start: int, stop: int):
     """Every Focus layer's prefill output with the rows of the queries at positions ``[start, stop)`` replaced by full
     causal attention (on whichever path the adapter runs; unpadded prompts)."""
@@ -196,17 +171,6 @@ def dense_rows(start: int, stop: int):
 
     with mock.patch.object(FocusAdapter, "forward", forward):
         yield
-
-
-def parse_heads(specs: list[str]) -> dict[int, list[int]]:
-    """``["3.0", "3.2", "7.1"]`` -> ``{3: [0, 2], 7: [1]}`` (layer.KV head)."""
-    heads: dict[int, list[int]] = {}
-    for spec in specs:
-        layer, _, head = spec.partition(".")
-        if not (layer.isdigit() and head.isdigit()):
-            raise SystemExit(f"--dense-heads {spec!r}: expected LAYER.KV_HEAD, e.g. 3.1")
-        heads.setdefault(int(layer), []).append(int(head))
-    return heads
 
 
 def layer_subset(adapter: FocusAdapter, layers: list[int]) -> FocusAdapter:
@@ -236,12 +200,12 @@ def main() -> None:
                              "adapter's own)")
     parser.add_argument("--layers", type=int, nargs="+", default=None,
                         help="Focus in these layers only, full attention in the others (default: all)")
-    parser.add_argument("--dense-heads", nargs="+", default=[], metavar="L.H",
-                        help="KV head H of layer L attends fully (its query heads), e.g. 3.0 3.2 7.1")
+    parser.add_argument("--dense-heads", type=layer_head, nargs="+", default=None, metavar="L.H",
+                        help="FocusConfig.dense_heads: KV head H of layer L attends fully, e.g. 3.0 3.2 7.1 "
+                             "(default: the adapter's)")
     parser.add_argument("--dense-rows", type=int, nargs=2, default=None, metavar=("A", "B"),
                         help="the prompt's queries at positions [A, B) attend fully in every layer")
     args = parser.parse_args()
-    heads = parse_heads(args.dense_heads)
     print(" | ".join(f"{k}: {v}" for k, v in machine_info().items()))
     model, tokenizer = load_model()
     model.eval()
@@ -250,6 +214,8 @@ def main() -> None:
         adapter = layer_subset(adapter, args.layers)
     if args.dense_tail is not None:
         adapter.config.dense_tail = args.dense_tail
+    if args.dense_heads is not None:
+        adapter.config.dense_heads = args.dense_heads
     solved = [r for r in load_passkey(args.full_results) if r.mode == "full" and r.correct and r.length in args.lengths
               and (args.depths is None or r.depth in args.depths)]
     if not solved:
@@ -265,7 +231,7 @@ def main() -> None:
         for r in solved:
             prompt = build_prompt(tokenizer, r.length, r.depth, r.key, r.haystack, r.key_number)
             t0 = time.perf_counter()
-            with extra_pairs(variant, len(prompt.input_ids), prompt.needle, args.tail), dense_heads(heads), \
+            with extra_pairs(variant, len(prompt.input_ids), prompt.needle, args.tail), \
                     dense_rows(*(args.dense_rows or (0, 0))):
                 answer = greedy_answer(model, tokenizer, prompt.input_ids)
             correct = score(answer, r.key)
@@ -273,9 +239,10 @@ def main() -> None:
             print(f"{variant:6s} {r.haystack:6s} {r.length:5d} {r.depth:3d}% key {r.key_number} {r.key}: {answer!r} "
                   f"{'correct' if correct else 'wrong'} ({time.perf_counter() - t0:.0f} s)", flush=True)
         totals[variant] = f"{hits}/{len(solved)}"
-    print(f"keys full attention retrieves, retrieved by the adapter (Focus layers {adapter.config.layers}, dense tail "
-          f"{adapter.config.dense_tail}, dense decode {own_dense_decode}, dense KV heads {args.dense_heads or 'none'}, "
-          f"dense rows {args.dense_rows or 'none'}) plus:", totals)
+    c = adapter.config
+    print(f"keys full attention retrieves, retrieved by the adapter (Focus layers {c.layers}, dense tail "
+          f"{c.dense_tail}, dense decode {own_dense_decode}, dense KV heads {c.dense_heads or 'none'}, dense rows "
+          f"{args.dense_rows or 'none'}) plus:", totals)
 
 
 if __name__ == "__main__":

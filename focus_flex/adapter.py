@@ -29,6 +29,7 @@ from focus_flex.attention import (
     reference_attention,
     routed,
     soft_attention,
+    with_dense_heads,
 )
 from focus_flex.config import CONFIG_NAME, WEIGHTS_NAME, FocusConfig
 from focus_flex.decode import KeyIndex
@@ -329,7 +330,7 @@ class FocusAdapter(nn.Module):
             raise ValueError(f"adapter.config describes centroids {shape} on layers {c.layers}, but the adapter holds "
                              f"{tuple(self.centroids.shape)} on layers {list(self.slot)}: on an adapter only the "
                              "routing may change (query_top_k, key_top_k, window, sink_tokens, tau, dense_decode, "
-                             "dense_tail); for other groups, layers or centering build a new one "
+                             "dense_tail, dense_heads); for other groups, layers or centering build a new one "
                              "(FocusAdapter.for_model).")
 
     def _exit(self, module, args, output):
@@ -386,7 +387,19 @@ class FocusAdapter(nn.Module):
                 padding: torch.Tensor | None, scaling: float | None, cache_layer: object = None) -> torch.Tensor:
         """Focus attention for one layer: ``[B, Hq, Lq, D]`` q and ``[B, Hkv, Lk, D]`` k/v -> ``[B, Hq, Lq, D]``.
         ``cache_layer``: the KV cache's layer that returned k/v (a Focus cache layer, :mod:`focus_flex.cache`, is the
-        one with a ``focus_attention`` method)."""
+        one with a ``focus_attention`` method). The layer's ``config.dense_heads`` attend fully on every path."""
+        out = self._pattern_attention(module, slot, query, key, value, padding, scaling, cache_layer)
+        dense = self.config.dense_kv_heads(self.config.layers[slot])
+        if dense and hasattr(cache_layer, "max_cache_len"):  # a static buffer: the splice reads its tokens only
+            length = int(cache_layer.cumulative_length)
+            key, value = key[:, :, :length], value[:, :, :length]
+            padding = None if padding is None else padding[:, :length]
+        return with_dense_heads(out, query, key, value, dense, padding, scaling)
+
+    def _pattern_attention(self, module: nn.Module, slot: int, query: torch.Tensor, key: torch.Tensor,
+                           value: torch.Tensor, padding: torch.Tensor | None, scaling: float | None,
+                           cache_layer: object) -> torch.Tensor:
+        """:meth:`forward` on the path ``mode`` chooses, before the dense heads."""
         cent, c, centering = self.centroids[slot], self.config, self.centering(slot)
         focus_layer = getattr(cache_layer, "focus_attention", None) is not None
         if type(cache_layer).__name__ == "StaticLayer":

@@ -533,6 +533,22 @@ def with_dense_tail(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     return out
 
 
+def with_dense_heads(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads: list[int],
+                     attention_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    """``out [B, Hq, Lq, D]`` with the query heads of ``kv_heads`` (``FocusConfig.dense_kv_heads``) replaced by full
+    causal attention over every earlier real key: one SDPA of those heads, no host synchronisation."""
+    if not kv_heads:
+        return out
+    group = q.shape[1] // k.shape[1]
+    heads = torch.tensor(kv_heads, device=q.device)
+    rows = (heads[:, None] * group + torch.arange(group, device=q.device)).flatten()
+    valid = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device) if attention_mask is None \
+        else attention_mask.to(device=k.device, dtype=torch.bool)
+    dense = decode_attention(q.index_select(1, rows), k.index_select(1, heads), v.index_select(1, heads), valid,
+                             q.shape[-1] ** -0.5 if scale is None else scale)
+    return out.index_copy(1, rows, dense.to(out.dtype))
+
+
 @torch.compiler.disable(reason="the flash kernel, decode's host-side key index and gradients: one graph break; the "
                                 "rest of a compiled model stays compiled")
 def _host_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor, config: FocusConfig,

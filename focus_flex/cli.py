@@ -331,7 +331,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         _check_modes(args.modes)
     for flag, field in (("--query-top-k", "query_top_k"), ("--key-top-k", "key_top_k"), ("--window", "window"),
                         ("--sinks", "sink_tokens"), ("--dense-decode", "dense_decode"),
-                        ("--dense-tail", "dense_tail")):
+                        ("--dense-tail", "dense_tail"), ("--dense-heads", "dense_heads")):
         value = getattr(args, field)
         if value is not None:
             setattr(adapter.config, field, value)
@@ -339,7 +339,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 adapter.config.validate()
             except ValueError as e:
                 hint = {"window": "choose a window >= 1 token", "sink_tokens": "choose 0 or more sink tokens",
-                        "dense_tail": "choose 0 or more queries"}.get(
+                        "dense_tail": "choose 0 or more queries",
+                        "dense_heads": f"name Focus layers {adapter.config.layers} and KV heads below "
+                                       f"{adapter.config.num_kv_heads}"}.get(
                     field, f"the adapter has {adapter.config.num_groups} groups per KV head; choose 1 to "
                            f"{adapter.config.num_groups}")
                 raise CliError(f"{flag} {value}: {hint} ({e}).") from e
@@ -410,7 +412,7 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
     meta = {"command": command, "adapter": args.adapter, "focus_config": adapter.config.to_dict(),
             "cpu": _cpu_name()}
     paths = save_passkey(out, results, meta, passkey_protocol(args.dtype, adapter.config.dense_decode,
-                                                              adapter.config.dense_tail))
+                                                              adapter.config.dense_tail, adapter.config.dense_heads))
     # The evaluated copy of the adapter: its card shows the retrieval table and heatmaps next to its perplexity.
     extra = adapter.config.extra
     made = extra.setdefault("trained_with", extra.get("command"))
@@ -549,6 +551,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode steps attend every earlier token (default: the adapter's; docs/passkey.md)")
     k.add_argument("--dense-tail", type=int, default=None, metavar="N",
                    help="the last N queries of a prefill attend every earlier token (default: the adapter's)")
+    k.add_argument("--dense-heads", type=layer_head, nargs="*", default=None, metavar="LAYER.KV_HEAD",
+                   help="KV heads whose query heads attend every earlier token, e.g. 4.0 5.0 6.0 (default: the "
+                        "adapter's; with none given: no dense heads; docs/passkey.md)")
     e.add_argument("--task", choices=["perplexity", "passkey"], default="perplexity",
                    help="perplexity on held-out text (default), or passkey retrieval (docs/passkey.md)")
     pk = e.add_argument_group("passkey retrieval (--task passkey)")
@@ -568,6 +573,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_hub_commands(sub)
     return parser
+
+
+def layer_head(text: str) -> list[int]:
+    """``"4.0"`` -> ``[4, 0]``: a ``LAYER.KV_HEAD`` argument (``FocusConfig.dense_heads``)."""
+    layer, _, head = text.partition(".")
+    if not (layer.isdigit() and head.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LAYER.KV_HEAD, e.g. 4.0 (KV head 0 of layer 4)")
+    return [int(layer), int(head)]
 
 
 def keep_freed_memory() -> bool:

@@ -45,7 +45,9 @@ class FocusConfig:
     queries of a decode step (a forward of at most ``DECODE_MAX_QUERIES`` queries) attend every earlier key:
     Focus for the prefill only (as MInference does), and a decode step costs what full attention's does. With
     ``dense_tail`` N, the last N queries of a prefill (a forward of more than ``DECODE_MAX_QUERIES`` queries) attend
-    every earlier key: the question at the end of a long prompt reads all of it.
+    every earlier key: the question at the end of a long prompt reads all of it. With ``dense_heads``, the query
+    heads of the KV heads listed as ``[layer, kv_head]`` attend every earlier key: heads whose far attention the
+    groups cannot carry (docs/passkey.md, point 20).
     """
 
     num_groups: int = 16
@@ -60,6 +62,7 @@ class FocusConfig:
     center: bool | list[int] = False  # route mean-removed queries and keys: in every Focus layer, or in those listed
     dense_decode: bool = False  # forwards of at most 16 queries (decode steps) attend every earlier key
     dense_tail: int = 0  # the last this many queries of a prefill attend every earlier key
+    dense_heads: list[list[int]] = field(default_factory=list)  # [layer, kv_head]: its query heads attend fully
     # Shape of the model the centroids belong to (filled in by `FocusAdapter.for_model`).
     num_layers: int | None = None
     num_kv_heads: int | None = None
@@ -118,10 +121,25 @@ class FocusConfig:
         for name in ("num_layers", "num_kv_heads", "num_query_heads", "head_dim"):
             v = getattr(self, name)
             need(v is None or (is_int(v) and v >= 1), f"{name}={v!r} must be None or an int >= 1")
+        need(isinstance(self.dense_heads, (list, tuple)) and all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and all(is_int(i) and i >= 0 for i in p)
+            for p in self.dense_heads),
+             f"dense_heads={self.dense_heads!r} must be a list of [layer, kv_head] pairs of ints >= 0")
+        self.dense_heads = [list(p) for p in sorted({tuple(p) for p in self.dense_heads})]
+        if self.layers is not None:
+            need(all(a in self.layers for a, _ in self.dense_heads),
+                 f"dense_heads={self.dense_heads} names layers that are not Focus layers (layers={self.layers})")
+        if self.num_kv_heads is not None:
+            need(all(b < self.num_kv_heads for _, b in self.dense_heads),
+                 f"dense_heads={self.dense_heads} names KV heads >= num_kv_heads={self.num_kv_heads}")
 
     def tail(self, lq: int) -> int:
         """How many of a forward's ``lq`` queries attend densely as the prefill's tail (:func:`tail_queries`)."""
         return tail_queries(self.dense_tail, lq)
+
+    def dense_kv_heads(self, layer: int) -> list[int]:
+        """The KV heads of Focus layer ``layer`` whose query heads attend every earlier key (``dense_heads``)."""
+        return [h for a, h in self.dense_heads if a == layer]
 
     def centers(self, layer: int) -> bool:
         """Whether Focus layer ``layer`` routes mean-removed vectors (``center`` true, or listing it)."""

@@ -203,7 +203,11 @@ class RoutingMeter:
         n = query.shape[2]
         t = cfg.tail(n)
         far = far_pairs_by_distance(qm[..., :n - t], km[..., :n - t], cfg.sink_tokens)
-        self.density.append(far_density(far, n, cfg.window, cfg.sink_tokens, t).mean().item())
+        density = far_density(far, n, cfg.window, cfg.sink_tokens, t)  # [B, Hq]
+        group = query.shape[1] // key.shape[1]
+        for h in cfg.dense_kv_heads(cfg.layers[slot]):  # dense heads compute every causal pair
+            density[:, h * group:(h + 1) * group] = 1.0
+        self.density.append(density.mean().item())
         self.far.append(far.mean((0, 1)))  # averaged over batch and heads
         self.balance.append(routing.group_balance(km, cfg.num_groups).mean().item())
 
@@ -289,7 +293,8 @@ def _evaluate_modes(model: nn.Module, adapter: FocusAdapter, windows: torch.Tens
         elif mode == "focus":
             kernel = default_kernel(next(model.parameters()).device, cfg)
             routed = f"queries top-{cfg.query_top_k}, keys top-{cfg.key_top_k}"
-            run("focus", None, None, f"hard routing ({routed}), fast path ({kernel} kernel)", adapter)
+            dense = f", KV heads {' '.join(f'{a}.{b}' for a, b in cfg.dense_heads)} dense" if cfg.dense_heads else ""
+            run("focus", None, None, f"hard routing ({routed}{dense}), fast path ({kernel} kernel)", adapter)
         elif mode == "soft":
             run("soft", 1.0, None, "soft routing (training path), dense", adapter, fast="soft")
         elif mode == "window":
@@ -312,7 +317,8 @@ def random_window(model: nn.Module, random: FocusAdapter, windows: torch.Tensor,
 
     Untrained centroids route queries and keys to different groups, so at the same window they compute fewer pairs
     than trained ones; one forward with ``random`` attached counts its far pairs at every distance, then the window
-    is searched exactly on those counts (:func:`matching_pattern_window`). Routing downstream of a wider window
+    is searched exactly on those counts (:func:`matching_pattern_window`; the adapter's dense heads count fully, so the
+    groups' share of ``density`` excludes them). Routing downstream of a wider window
     shifts a little, so the density measured in the run itself is what gets reported.
     """
     random.attach(model)
@@ -322,8 +328,10 @@ def random_window(model: nn.Module, random: FocusAdapter, windows: torch.Tensor,
     finally:
         meter.close()
         random.detach(model)
-    far, n = torch.stack(meter.far).mean(0), windows.shape[1]
-    return matching_pattern_window(far, n, random.config.sink_tokens, density, random.config.tail(n))
+    far, n, cfg = torch.stack(meter.far).mean(0), windows.shape[1], random.config
+    dense = len(cfg.dense_heads) / (len(cfg.layers) * cfg.num_kv_heads)  # share of heads that attend fully
+    return matching_pattern_window(far, n, cfg.sink_tokens, (density - dense) / max(1 - dense, 1e-9),
+                                   cfg.tail(n))
 
 
 # ---- reporting -----------------------------------------------------------------------------------

@@ -487,13 +487,19 @@ def save_passkey(directory: str, results: list[PasskeyResult], meta: dict[str, A
     return paths
 
 
-def passkey_protocol(dtype: str, dense_decode: bool = False, dense_tail: int = 0) -> str:
-    """One paragraph describing the protocol, for the reports (``dense_decode``, ``dense_tail``: the adapter's)."""
+def passkey_protocol(dtype: str, dense_decode: bool = False, dense_tail: int = 0,
+                     dense_heads: list[list[int]] | None = None) -> str:
+    """One paragraph describing the protocol, for the reports (``dense_decode``, ``dense_tail``, ``dense_heads``: the
+    adapter's)."""
     decode = (" Generation steps attend every token in both (`dense_decode`); the density counts the prefill."
               if dense_decode else "")
     if dense_tail:
         decode += (f" The last {dense_tail} tokens of the prompt attend every token in both (`dense_tail`), counted in "
                    "the density.")
+    if dense_heads:
+        decode += (" In focus, the query heads of KV heads " + ", ".join(f"{a}.{b}" for a, b in dense_heads)
+                   + " (layer.KV head) attend every token (`dense_heads`), counted in the density; window-only has "
+                   "none, its window matches the total.")
     return ("Passkey retrieval: a 5-digit key in the needle \"" + NEEDLE.format(key="NNNNN").strip() + "\" at the "
             "given depth of the haystack (`filler`: \"" + FILLER + "\" repeated; `prose`: excerpts of the shipped "
             "held-out books), the whole prompt in the model's chat template with the answer started as \""
