@@ -1,12 +1,14 @@
 """``python -m benchmarks.layer_fidelity``: how much of each layer's attention an adapter's hard pattern keeps.
 
-For a passkey prompt (``--haystack``, ``--length``; the needle at ``--depth``) the model runs once with its own
-attention; for ``--queries`` random query positions in the prompt's second half, every Focus layer reports, averaged
-over its heads (with ``--per-head``, over the query heads of each KV head): the share of full attention's
-probability mass on pairs the adapter's hard pattern computes (``kept``), the relative squared error of the layer
-output with the row renormalised to those pairs (``error``: :func:`focus_flex.train.output_error`), and the mass
-full attention puts beyond the window and sinks (``far``).
-Several ``--adapters`` are compared side by side on the same forward.
+For a passkey prompt (``--haystack``, ``--length``; the needle at ``--depth``), or a window of the training books
+(``--haystack train``: text the centroids were trained on, no needle), the model runs once with its own attention;
+for ``--queries`` random query positions in the prompt's second half, every Focus layer reports, averaged over its
+heads (with ``--per-head``, over the query heads of each KV head): the share of full attention's probability mass on
+pairs the adapter's hard pattern computes (``kept``), the relative squared error of the layer output with the row
+renormalised to those pairs (``error``: :func:`focus_flex.train.output_error`), and the mass full attention puts
+beyond the window and sinks (``far``).
+Several ``--adapters`` are compared side by side on the same forward; with ``--per-head``, the KV heads of the
+first adapter with the largest output error are listed last.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from benchmarks.bench import machine_info
 from focus_flex import FocusAdapter
+from focus_flex.data import load_documents, token_windows
 from focus_flex.models import load_model
 from focus_flex.passkey import build_prompt
 from focus_flex.train import QKV, _attention_rows, centerings, hard_fidelity, teacher_qkv
@@ -51,7 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--adapters", nargs="+", default=["hub/smollm2-135m-instruct-focus",
                                                           "hub/smollm2-135m-instruct-focus-retrieval"])
-    parser.add_argument("--haystack", choices=["filler", "prose"], default="prose")
+    parser.add_argument("--haystack", choices=["filler", "prose", "train"], default="prose")
     parser.add_argument("--length", type=int, default=8192)
     parser.add_argument("--depth", type=int, default=10, help="the needle's depth, % of the prompt")
     parser.add_argument("--per-head", action="store_true", help="one row per (layer, KV head)")
@@ -61,10 +64,13 @@ def main() -> None:
     print(" | ".join(f"{k}: {v}" for k, v in machine_info().items()))
     model, tokenizer = load_model()
     model.eval()
-    prompt = build_prompt(tokenizer, args.length, args.depth, "49396", args.haystack)
+    if args.haystack == "train":
+        ids = token_windows(load_documents(split="train"), tokenizer, args.length, max_windows=1)
+    else:
+        ids = build_prompt(tokenizer, args.length, args.depth, "49396", args.haystack).input_ids[None]
     gen = torch.Generator().manual_seed(args.seed)
     idx = torch.randint(args.length // 2, args.length, (args.queries,), generator=gen).sort().values
-    qkv = teacher_qkv(model, prompt.input_ids[None])
+    qkv = teacher_qkv(model, ids)
     rows = {a: layer_fidelity(model, FocusAdapter.from_pretrained(a), qkv, idx) for a in args.adapters}
     hkv = model.config.num_key_value_heads
     print(f"\n{args.haystack}, {args.length} tokens, needle at {args.depth}%, {args.queries} queries: kept / error / "
@@ -75,6 +81,13 @@ def main() -> None:
         for h in range(hkv) if args.per_head else [None]:
             name = layer if h is None else f"{layer}.{h}"
             print(f"| {name} | " + " | ".join(_cell(rows[a].get(layer), h, hkv) for a in args.adapters) + " |")
+    if args.per_head:
+        first = rows[args.adapters[0]]
+        error = {f"{layer}.{h}": r[1].unflatten(-1, (hkv, -1))[h].mean().item() for layer, r in first.items()
+                 for h in range(hkv)}
+        worst = sorted(error, key=error.get, reverse=True)[:12]
+        print(f"\nKV heads of {args.adapters[0]} by output error, largest first: "
+              + ", ".join(f"{x} ({error[x]:.3f})" for x in worst))
 
 
 if __name__ == "__main__":
