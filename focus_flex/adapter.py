@@ -26,6 +26,7 @@ from focus_flex.attention import (
     DECODE_MAX_QUERIES,
     attention_weights,
     focus_attention,
+    key_validity,
     reference_attention,
     routed,
     soft_attention,
@@ -354,9 +355,7 @@ class FocusAdapter(nn.Module):
                padding: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The vectors the layer in ``slot`` routes for its post-RoPE query ``[B, Hq, Lq, D]`` and key
         ``[B, Hkv, Lk, D]`` (padding ``[B, Lk]``): themselves, or centered (:meth:`centering`)."""
-        valid = torch.ones(key.shape[0], key.shape[2], dtype=torch.bool, device=key.device) if padding is None \
-            else padding.to(key.device, torch.bool)
-        return routed(query, key, valid, self.centering(slot))
+        return routed(query, key, key_validity(key, padding), self.centering(slot))
 
     def key_index(self, slot: int, key: torch.Tensor, padding: torch.Tensor | None = None) -> KeyIndex | None:
         """Key routing of a KV cache layer's keys ``[B, Hkv, Lk, D]``, kept up to date step by step.
@@ -391,9 +390,7 @@ class FocusAdapter(nn.Module):
         out = self._pattern_attention(module, slot, query, key, value, padding, scaling, cache_layer)
         dense = self.config.dense_kv_heads(self.config.layers[slot])
         if dense and hasattr(cache_layer, "max_cache_len"):  # a static buffer: the splice reads its tokens only
-            length = int(cache_layer.cumulative_length)
-            key, value = key[:, :, :length], value[:, :, :length]
-            padding = None if padding is None else padding[:, :length]
+            key, value, padding = _buffer_tokens(cache_layer, key, value, padding)
         return with_dense_heads(out, query, key, value, dense, padding, scaling)
 
     def _pattern_attention(self, module: nn.Module, slot: int, query: torch.Tensor, key: torch.Tensor,
@@ -408,9 +405,7 @@ class FocusAdapter(nn.Module):
                              "cache's first forward was compiled. Run the prefill eagerly (generate does), or pass "
                              "past_key_values=focus_flex.cache.FocusCache(model.config, max_cache_len=...).")
         if focus_layer and hasattr(cache_layer, "max_cache_len") and self.mode != "fast":  # a static buffer: its tokens
-            length = int(cache_layer.cumulative_length)
-            key, value = key[:, :, :length], value[:, :, :length]
-            padding = None if padding is None else padding[:, :length]
+            key, value, padding = _buffer_tokens(cache_layer, key, value, padding)
         if self.mode == "soft":
             return soft_attention(query, key, value, cent, c, attention_mask=padding, scale=scaling,
                                   centering=centering)
@@ -548,6 +543,13 @@ def _position_hosts(model: nn.Module) -> list[nn.Module]:
 
     focus = {id(m) for m in _attention_modules(model) if m._focus.slot is not None}
     return [m for m in model.modules() if isinstance(m, PreTrainedModel) and focus <= {id(x) for x in m.modules()}]
+
+
+def _buffer_tokens(cache_layer: object, key: torch.Tensor, value: torch.Tensor,
+                   padding: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The filled part of a static cache layer's buffers ``[B, Hkv, max_cache_len, D]`` (and of its padding mask)."""
+    length = int(cache_layer.cumulative_length)
+    return key[:, :, :length], value[:, :, :length], None if padding is None else padding[:, :length]
 
 
 def _version(t: torch.Tensor) -> int:

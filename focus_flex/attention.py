@@ -55,14 +55,20 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: t
     if centroids.shape != (hkv, config.num_groups, d):
         raise ValueError(f"centroids {tuple(centroids.shape)} do not fit: expected [Hkv={hkv}, "
                          f"G={config.num_groups}, D={d}] for k {tuple(k.shape)} and this config")
-    if attention_mask is None:
-        return torch.ones(b, lk, dtype=torch.bool, device=k.device)
-    if attention_mask.shape != (b, lk):
+    if attention_mask is not None and attention_mask.shape != (b, lk):
         raise ValueError(f"attention_mask must be a [batch, key_length] = [{b}, {lk}] padding mask (1 = token, "
                          f"0 = padding); got shape {tuple(attention_mask.shape)}. 4-D or custom masks are not "
                          f"supported by Focus attention.")
-    if attention_mask.dtype != torch.bool and attention_mask.dtype.is_floating_point:
+    if attention_mask is not None and attention_mask.dtype != torch.bool and attention_mask.dtype.is_floating_point:
         raise TypeError("attention_mask must be bool or integer (1 = token, 0 = padding), not an additive float mask")
+    return key_validity(k, attention_mask)
+
+
+def key_validity(k: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """The ``[B, Lk]`` bool mask of real keys of k ``[B, Hkv, Lk, D]``: the padding mask on k's device, or all true
+    (unchecked: :func:`check_inputs` checks it)."""
+    if attention_mask is None:
+        return torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
     return attention_mask.to(device=k.device, dtype=torch.bool)
 
 
@@ -526,8 +532,7 @@ def with_dense_tail(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     t = config.tail(q.shape[2])
     if not t:
         return out
-    valid = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device) if attention_mask is None \
-        else attention_mask.to(device=k.device, dtype=torch.bool)  # (checked by the path that computed ``out``)
+    valid = key_validity(k, attention_mask)  # (checked by the path that computed ``out``)
     dense = decode_attention(q[:, :, -t:], k, v, valid, q.shape[-1] ** -0.5 if scale is None else scale)
     out[:, :, -t:] = dense.to(out.dtype)
     return out
@@ -542,10 +547,8 @@ def with_dense_heads(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     group = q.shape[1] // k.shape[1]
     heads = torch.tensor(kv_heads, device=q.device)
     rows = (heads[:, None] * group + torch.arange(group, device=q.device)).flatten()
-    valid = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device) if attention_mask is None \
-        else attention_mask.to(device=k.device, dtype=torch.bool)
-    dense = decode_attention(q.index_select(1, rows), k.index_select(1, heads), v.index_select(1, heads), valid,
-                             q.shape[-1] ** -0.5 if scale is None else scale)
+    dense = decode_attention(q.index_select(1, rows), k.index_select(1, heads), v.index_select(1, heads),
+                             key_validity(k, attention_mask), q.shape[-1] ** -0.5 if scale is None else scale)
     return out.index_copy(1, rows, dense.to(out.dtype))
 
 
