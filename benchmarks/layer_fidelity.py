@@ -42,11 +42,16 @@ def layer_fidelity(model: torch.nn.Module, adapter: FocusAdapter, qkv: QKV,
     return out
 
 
+def per_kv_head(row: torch.Tensor, hkv: int) -> torch.Tensor:
+    """One layer's ``row [3, Hq]`` averaged over the query heads of each of its ``hkv`` KV heads: ``[3, Hkv]``."""
+    return row.unflatten(-1, (hkv, -1)).mean(-1)
+
+
 def _cell(row: torch.Tensor | None, kv_head: int | None, hkv: int) -> str:
     """``kept / error / far`` of one layer's ``row [3, Hq]``: the mean over its heads, or over one KV head's."""
     if row is None:
         return "-"
-    row = row.mean(-1) if kv_head is None else row.unflatten(-1, (hkv, -1))[:, kv_head].mean(-1)
+    row = row.mean(-1) if kv_head is None else per_kv_head(row, hkv)[:, kv_head]
     return " / ".join(f"{x:.3f}" for x in row.tolist())
 
 
@@ -73,8 +78,8 @@ def main() -> None:
     qkv = teacher_qkv(model, ids)
     rows = {a: layer_fidelity(model, FocusAdapter.from_pretrained(a), qkv, idx) for a in args.adapters}
     hkv = model.config.num_key_value_heads
-    print(f"\n{args.haystack}, {args.length} tokens, needle at {args.depth}%, {args.queries} queries: kept / error / "
-          "far per adapter\n")
+    needle = "" if args.haystack == "train" else f", needle at {args.depth}%"
+    print(f"\n{args.haystack}, {args.length} tokens{needle}, {args.queries} queries: kept / error / far per adapter\n")
     print(f"| {'layer.KV head' if args.per_head else 'layer'} | " + " | ".join(args.adapters) + " |")
     print("|---|" + "---|" * len(args.adapters))
     for layer in sorted(set().union(*(r.keys() for r in rows.values()))):
@@ -83,8 +88,7 @@ def main() -> None:
             print(f"| {name} | " + " | ".join(_cell(rows[a].get(layer), h, hkv) for a in args.adapters) + " |")
     if args.per_head:
         first = rows[args.adapters[0]]
-        error = {f"{layer}.{h}": r[1].unflatten(-1, (hkv, -1))[h].mean().item() for layer, r in first.items()
-                 for h in range(hkv)}
+        error = {f"{layer}.{h}": e for layer, r in first.items() for h, e in enumerate(per_kv_head(r, hkv)[1].tolist())}
         worst = sorted(error, key=error.get, reverse=True)[:12]
         print(f"\nKV heads of {args.adapters[0]} by output error, largest first: "
               + ", ".join(f"{x} ({error[x]:.3f})" for x in worst))
