@@ -16,7 +16,9 @@ Protocol (Mohtashami & Jaggi, 2023, adapted to an instruct model; docs/passkey.m
   Models without a chat template get ``{INSTRUCTION}{haystack}{QUESTION}\\n{ANSWER_PREFIX}``.
 * **Depth.** The needle starts at (the sentence boundary nearest to) ``depth`` % of the haystack's tokens.
 * **Scoring.** Greedy decoding (KV cache) of up to :data:`MAX_NEW_TOKENS` tokens; correct iff the first run of
-  digits in the answer is exactly the key.
+  digits in the answer is exactly the key. Besides, the key's log-probability (``" " + key`` teacher-forced on the
+  same path: the prefill's last logits, then decode steps): a measure of retrieval that a near tie between the key
+  and another answer does not flip.
 * **Modes.** ``full``: the model's own attention. ``focus``: the adapter attached, hard routing (inference path,
   prefill and decode). ``window``: window + sinks only, the window set so that its density over ``length`` tokens
   matches ``focus``'s density measured on the prefills of the same haystack and length
@@ -26,6 +28,7 @@ Protocol (Mohtashami & Jaggi, 2023, adapted to an instruct model; docs/passkey.m
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import random
@@ -83,6 +86,7 @@ class PasskeyResult:
     needle_depth: float  # actual depth of the needle start (% of the haystack)
     density: float  # fraction of causal pairs computed in the prefill (Focus layers)
     seconds: float
+    key_logprob: float | None = None  # log p(" " + key | prompt), nats (None: not measured, results of older runs)
 
 
 # ---- prompts -------------------------------------------------------------------------------------
@@ -196,14 +200,42 @@ def greedy_answer(model: nn.Module, tokenizer: Any, input_ids: torch.Tensor,
                   max_new_tokens: int = MAX_NEW_TOKENS) -> str:
     """Greedy continuation of ``input_ids [L]`` (``generate``, KV cache), stopped after the first run of digits or
     at EOS (which is not part of the answer)."""
+    return _generate(model, tokenizer, input_ids, max_new_tokens).sequences[0]
+
+
+@torch.no_grad()
+def answer_key(model: nn.Module, tokenizer: Any, input_ids: torch.Tensor, key: str,
+               max_new_tokens: int = MAX_NEW_TOKENS) -> tuple[str, float]:
+    """:func:`greedy_answer` and ``log p(" " + key | input_ids)`` in nats, from the same prefill: the key's first
+    token scored by the prefill's last logits, the others by decode steps on its KV cache cropped back to the prompt
+    (the path generation takes, so a Focus adapter's ``dense_decode`` applies as it does to the answer)."""
+    out = _generate(model, tokenizer, input_ids, max_new_tokens)
+    target = tokenizer(" " + key, add_special_tokens=False).input_ids
+    logprob = out.logits[0][0].float().log_softmax(-1)[target[0]]
+    # transformers up to 5.23 names the KV cache past_key_values, later versions cache
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = getattr(out, name)
+    cache.crop(input_ids.shape[-1] - cache.get_seq_length())  # negative: drop the answer's tokens
+    device = next(model.parameters()).device
+    for prev, nxt in zip(target[:-1], target[1:], strict=True):
+        step = model(torch.tensor([[prev]], device=device), use_cache=True, **{name: cache})
+        logprob = logprob + step.logits[0, -1].float().log_softmax(-1)[nxt]
+    return out.sequences[0], logprob.item()
+
+
+def _generate(model: nn.Module, tokenizer: Any, input_ids: torch.Tensor, max_new_tokens: int) -> Any:
+    """``generate``'s output (raw logits of every step, the KV cache) with ``sequences`` replaced by the answer's
+    text."""
     ids = input_ids[None].to(next(model.parameters()).device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                          temperature=None, top_p=None, top_k=None, pad_token_id=tokenizer.eos_token_id,
-                         stopping_criteria=[_FirstNumber(tokenizer, ids.shape[1])])
-    new = out[0, ids.shape[1]:].tolist()
+                         stopping_criteria=[_FirstNumber(tokenizer, ids.shape[1])], return_dict_in_generate=True,
+                         output_logits=True)
+    new = out.sequences[0, ids.shape[1]:].tolist()
     if tokenizer.eos_token_id in new:
         new = new[:new.index(tokenizer.eos_token_id)]
-    return tokenizer.decode(new)
+    out.sequences = [tokenizer.decode(new)]
+    return out
 
 
 class _PrefillMeter(RoutingMeter):
@@ -290,14 +322,14 @@ def _run(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None, mode: s
     haystack, length, depth, number = cell
     t0 = time.perf_counter()
     if mode == "full":
-        answer, density = greedy_answer(model, tokenizer, prompt.input_ids), 1.0
+        (answer, logprob), density = answer_key(model, tokenizer, prompt.input_ids, prompt.key), 1.0
     elif mode == "focus":
         assert adapter is not None
         adapter.mode = "fast"
         adapter.attach(model)
         meter = _PrefillMeter(adapter)
         try:
-            answer = greedy_answer(model, tokenizer, prompt.input_ids)
+            answer, logprob = answer_key(model, tokenizer, prompt.input_ids, prompt.key)
         finally:
             density, _ = meter.close()
             adapter.detach(model)
@@ -309,10 +341,11 @@ def _run(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None, mode: s
         w = matching_window(length, cfg.sink_tokens, sum(focus) / len(focus), tail)
         with window_only(model, w, cfg.sink_tokens, cfg.layers, dense_decode=cfg.dense_decode,
                          dense_tail=cfg.dense_tail):
-            answer = greedy_answer(model, tokenizer, prompt.input_ids)
+            answer, logprob = answer_key(model, tokenizer, prompt.input_ids, prompt.key)
         density = window_density(length, w, cfg.sink_tokens, tail)
     results.append(PasskeyResult(mode, haystack, length, depth, number, prompt.key, answer,
-                                 score(answer, prompt.key), prompt.depth, density, time.perf_counter() - t0))
+                                 score(answer, prompt.key), prompt.depth, density, time.perf_counter() - t0,
+                                 logprob))
     return density
 
 
@@ -387,6 +420,11 @@ def _tally(results: list[PasskeyResult]) -> str:
     return f"{sum(r.correct for r in results)}/{len(results)}"
 
 
+def _mean_logprob(results: list[PasskeyResult]) -> str:
+    values = [r.key_logprob for r in results if r.key_logprob is not None]
+    return f"{sum(values) / len(values):.2f}" if values else "-"
+
+
 def prompt_id(r: PasskeyResult) -> tuple[str, int, int, int, str]:
     """Which prompt a result answers: every mode of one run (or of runs with the same seed) answers the same ones."""
     return r.haystack, r.length, r.depth, r.key_number, r.key
@@ -405,8 +443,9 @@ def load_passkey(path: str | os.PathLike) -> list[PasskeyResult]:
 
 
 def passkey_markdown(results: list[PasskeyResult], protocol: str = "") -> str:
-    """Markdown tables: correct/total per mode and length for each haystack, then per depth; with full attention's
-    results, each other mode's share of the keys full attention retrieves."""
+    """Markdown tables: correct/total per mode and length for each haystack, the key's mean log-probability, then
+    correct/total per depth; with full attention's results, each other mode's share of the keys full attention
+    retrieves."""
     modes = list(dict.fromkeys(r.mode for r in results))
     lines = []
     for haystack in dict.fromkeys(r.haystack for r in results):
@@ -421,6 +460,15 @@ def passkey_markdown(results: list[PasskeyResult], protocol: str = "") -> str:
             mine = [r for r in rows if r.mode == mode]
             dens = ", ".join(f"{100 * sum(r.density for r in c) / len(c):.1f}%" for c in cells if c)
             lines.append(f"| {mode} | " + " | ".join(_tally(c) for c in cells) + f" | {_tally(mine)} | {dens} |")
+        if any(r.key_logprob is not None for r in rows):
+            lines += ["", "Mean log-probability of the key (nats; its tokens teacher-forced on the answer's path; 0: "
+                      "certain, higher is better; \"-\": not measured):", "",
+                      "| mode | " + " | ".join(f"{n} tokens" for n in lengths) + " | all |",
+                      "|---" * (len(lengths) + 2) + "|"]
+            for mode in modes:
+                cells = [[r for r in rows if r.mode == mode and r.length == n] for n in lengths]
+                lines.append(f"| {mode} | " + " | ".join(_mean_logprob(c) for c in cells)
+                             + f" | {_mean_logprob(sum(cells, []))} |")
         lines += ["", "| mode \\ depth | " + " | ".join(f"{d}%" for d in depths) + " |", "|---" * (len(depths) + 1)
                   + "|"]
         for mode in modes:

@@ -101,6 +101,39 @@ def test_greedy_answer_stops_after_the_first_number_without_deprecation_warnings
         [str(w.message) for w in recwarn]
 
 
+def teacher_forced_logprob(model, tok, input_ids, key):
+    """log p(" " + key | prompt) from one forward over the prompt and the key (no KV cache)."""
+    target = tok(" " + key, add_special_tokens=False).input_ids
+    ids = torch.cat([input_ids, torch.tensor(target[:-1])])[None]
+    with torch.no_grad():
+        logp = model(ids).logits[0, -len(target):].float().log_softmax(-1)
+    return float(logp[torch.arange(len(target)), torch.tensor(target)].sum())
+
+
+@pytest.mark.slow
+def test_answer_key_scores_the_key_on_the_answers_path(smollm2, caplog):
+    """The key's log-probability from the answer's own prefill and cache equals a teacher-forced forward without a
+    cache: with the model's own attention and with a Focus adapter (its decode steps see what its prefill rows see)."""
+    model, tok = smollm2
+    p = P.build_prompt(tok, 512, 20, "58213", "filler")
+    answer, logprob = P.answer_key(model, tok, p.input_ids, "58213")
+    assert answer == P.greedy_answer(model, tok, p.input_ids)
+    assert logprob == pytest.approx(teacher_forced_logprob(model, tok, p.input_ids, "58213"), abs=1e-3)
+    assert -5 < logprob < 0  # full attention retrieves this key (the test above)
+    assert P.answer_key(model, tok, p.input_ids, "58214")[1] < logprob - 1  # another key is much less likely
+    adapter = FocusAdapter.from_pretrained(ADAPTER)
+    adapter.config.dense_tail, adapter.config.dense_decode = 0, False
+    adapter.attach(model)
+    try:
+        answer, focus = P.answer_key(model, tok, p.input_ids, "58213")
+        assert answer == P.greedy_answer(model, tok, p.input_ids)
+        assert focus == pytest.approx(teacher_forced_logprob(model, tok, p.input_ids, "58213"), abs=1e-3)
+    finally:
+        adapter.detach(model)
+    assert abs(focus - logprob) > 1e-3  # the pattern (window 256, needle ~380 back) changed the answer's odds
+    assert not [r for r in caplog.records if "deprecated" in r.getMessage()], caplog.text
+
+
 @pytest.mark.slow
 def test_eval_task_passkey_writes_table_json_and_heatmaps(tmp_path, capsys):
     out = tmp_path / "pk"
@@ -119,6 +152,10 @@ def test_eval_task_passkey_writes_table_json_and_heatmaps(tmp_path, capsys):
         assert 0 < focus[h] < 1 and window[h] >= focus[h]  # the window is matched to focus's measured density
     table = (out / P.PASSKEY_MD).read_text()
     assert "| full | 1/1 | 1/1 |" in table and "Haystack `prose`" in table
+    assert all(r["key_logprob"] < 0 for r in rows) and "Mean log-probability of the key" in table
+    for h in P.HAYSTACKS:  # the key is likelier where it was retrieved than where the window could not see it
+        lp = {r["mode"]: r["key_logprob"] for r in rows if r["haystack"] == h}
+        assert lp["full"] > lp["window"], lp
     for mode in P.PASSKEY_MODES:
         assert (out / f"passkey_{mode}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert data["focus_config"]["num_groups"] == FocusAdapter.from_pretrained(ADAPTER).config.num_groups
@@ -196,3 +233,16 @@ def test_retention_counts_only_the_keys_full_attention_retrieves():
     assert [r.depth for r in P.retained(results, "focus")] == [10, 90]
     table = P.passkey_markdown(results)
     assert "| focus | 1/2 | 1/2 |" in table and "| focus | 2/3 | 2/3 |" in table
+    assert "log-probability" not in table  # no result has one: no table of them
+
+
+def test_markdown_averages_the_key_logprob_and_older_results_load_without_one():
+    def row(mode, length, logprob):
+        return P.PasskeyResult(mode, "filler", length, 50, 0, "12345", "", False, 50, 1.0, 0.0, logprob)
+
+    table = P.passkey_markdown([row("full", 1024, -0.5), row("full", 1024, -1.5), row("full", 2048, None),
+                                row("focus", 1024, -4.0), row("focus", 2048, -6.0)])
+    assert "| full | -1.00 | - | -1.00 |" in table and "| focus | -4.00 | -6.00 | -5.00 |" in table
+    card = Path(ADAPTER).parents[0] / "smollm2-135m-instruct-focus-retrieval" / P.PASSKEY_JSON
+    old = P.load_passkey(card)  # written before the key's log-probability was measured
+    assert old and all(r.key_logprob is None for r in old)
