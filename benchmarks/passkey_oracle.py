@@ -20,18 +20,23 @@ dense SDPA with the pattern as mask) plus one kind of extra pairs:
 A variant that recovers the keys says which queries lose them. ``--layers`` keeps Focus in those layers only (the
 others attend fully): which layers' patterns lose them; ``--dense-heads L.H ...`` sets the adapter's
 ``FocusConfig.dense_heads`` (KV head H of layer L attends fully): which heads' patterns lose them; ``--dense-rows A B``
-makes the prompt's queries at positions ``[A, B)`` attend fully in every layer, on any path: whose rows lose them.
-``--dense-tail N`` sets the adapter's ``FocusConfig.dense_tail`` (the prompt's last N queries attend every token) and
-``--dense-decode`` / ``--no-dense-decode`` its ``FocusConfig.dense_decode`` in every variant but ``decode`` (default:
-the adapter's own). Nothing here changes the library: the extra
-pairs are added by wrapping :func:`focus_flex.attention.reference_attention` (dense rows:
-:meth:`focus_flex.FocusAdapter.forward`) for the duration of the run.
+makes the prompt's queries at positions ``[A, B)`` attend fully in every layer, on any path: whose rows lose them;
+``--wide-layers L ... --wide-top-k Q K`` routes those layers' queries into Q groups and keys into K: whether more
+groups there are enough.
+Each answer is printed with the density of the adapter's hard pattern on its prefill (the Focus layers' causal pairs,
+dense heads and tail counted, a variant's extra pairs not). ``--dense-tail N`` sets the adapter's
+``FocusConfig.dense_tail`` (the prompt's last N queries attend every token) and ``--dense-decode`` /
+``--no-dense-decode`` its ``FocusConfig.dense_decode`` in every variant but ``decode`` (default: the adapter's own).
+Nothing here changes the library: the extra pairs are added by wrapping
+:func:`focus_flex.attention.reference_attention` (dense rows and wide layers: :class:`focus_flex.FocusAdapter`'s
+forward) for the duration of the run.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -39,6 +44,7 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import focus_flex.adapter
 from benchmarks.bench import machine_info
@@ -46,7 +52,7 @@ from focus_flex import FocusAdapter, FocusConfig
 from focus_flex.attention import focus_pattern
 from focus_flex.cli import layer_head
 from focus_flex.models import load_model
-from focus_flex.passkey import build_prompt, greedy_answer, load_passkey, score
+from focus_flex.passkey import PrefillMeter, build_prompt, greedy_answer, load_passkey, score
 
 VARIANTS = ("none", "decode", "tail", "needle", "needle-rows", "denominator", "summaries")
 SUMMARY_BLOCK = 64
@@ -173,6 +179,26 @@ def dense_rows(start: int, stop: int):
         yield
 
 
+@contextlib.contextmanager
+def wide_layers(layers: list[int], query_top_k: int, key_top_k: int):
+    """The Focus layers ``layers`` route queries into ``query_top_k`` groups and keys into ``key_top_k`` (the others
+    keep the adapter's), on whichever path the adapter runs; the adapter's forward hooks (a routing meter) see the
+    same."""
+
+    def call(self, module, slot, *args):
+        if self.config.layers[slot] not in layers:
+            return nn.Module.__call__(self, module, slot, *args)
+        own = self.config
+        self.config = dataclasses.replace(own, query_top_k=query_top_k, key_top_k=key_top_k)
+        try:
+            return nn.Module.__call__(self, module, slot, *args)
+        finally:
+            self.config = own
+
+    with mock.patch.object(FocusAdapter, "__call__", call):
+        yield
+
+
 def layer_subset(adapter: FocusAdapter, layers: list[int]) -> FocusAdapter:
     """The same centroids (and means) on ``layers`` only, a subset of the adapter's Focus layers."""
     missing = sorted(set(layers) - set(adapter.slot))
@@ -203,9 +229,15 @@ def main() -> None:
     parser.add_argument("--dense-heads", type=layer_head, nargs="+", default=None, metavar="L.H",
                         help="FocusConfig.dense_heads: KV head H of layer L attends fully, e.g. 3.0 3.2 7.1 "
                              "(default: the adapter's)")
+    parser.add_argument("--wide-layers", type=int, nargs="+", default=[],
+                        help="Focus layers whose queries and keys go into --wide-top-k groups")
+    parser.add_argument("--wide-top-k", type=int, nargs=2, default=None, metavar=("Q", "K"),
+                        help="groups per query and per key in --wide-layers")
     parser.add_argument("--dense-rows", type=int, nargs=2, default=None, metavar=("A", "B"),
                         help="the prompt's queries at positions [A, B) attend fully in every layer")
     args = parser.parse_args()
+    if bool(args.wide_layers) != (args.wide_top_k is not None):
+        parser.error("--wide-layers and --wide-top-k go together")
     print(" | ".join(f"{k}: {v}" for k, v in machine_info().items()))
     model, tokenizer = load_model()
     model.eval()
@@ -227,22 +259,29 @@ def main() -> None:
     for variant in args.variants:
         adapter.mode = "fast" if variant in ("none", "decode") else "reference"  # the others patch the reference
         adapter.config.dense_decode = variant == "decode" or own_dense_decode
-        hits = 0
+        hits, densities = 0, []
         for r in solved:
             prompt = build_prompt(tokenizer, r.length, r.depth, r.key, r.haystack, r.key_number)
             t0 = time.perf_counter()
-            with extra_pairs(variant, len(prompt.input_ids), prompt.needle, args.tail), \
-                    dense_rows(*(args.dense_rows or (0, 0))):
-                answer = greedy_answer(model, tokenizer, prompt.input_ids)
+            meter = PrefillMeter(adapter)
+            try:
+                with extra_pairs(variant, len(prompt.input_ids), prompt.needle, args.tail), \
+                        dense_rows(*(args.dense_rows or (0, 0))), \
+                        wide_layers(args.wide_layers, *(args.wide_top_k or (0, 0))):
+                    answer = greedy_answer(model, tokenizer, prompt.input_ids)
+            finally:
+                densities.append(meter.close()[0])
             correct = score(answer, r.key)
             hits += correct
             print(f"{variant:6s} {r.haystack:6s} {r.length:5d} {r.depth:3d}% key {r.key_number} {r.key}: {answer!r} "
-                  f"{'correct' if correct else 'wrong'} ({time.perf_counter() - t0:.0f} s)", flush=True)
-        totals[variant] = f"{hits}/{len(solved)}"
+                  f"{'correct' if correct else 'wrong'}, density {100 * densities[-1]:.1f}% "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        totals[variant] = f"{hits}/{len(solved)} (density {100 * sum(densities) / len(densities):.1f}%)"
     c = adapter.config
     print(f"keys full attention retrieves, retrieved by the adapter (Focus layers {c.layers}, dense tail "
           f"{c.dense_tail}, dense decode {own_dense_decode}, dense KV heads {c.dense_heads or 'none'}, dense rows "
-          f"{args.dense_rows or 'none'}) plus:", totals)
+          f"{args.dense_rows or 'none'}, layers {args.wide_layers or 'none'} with groups per query and key "
+          f"{args.wide_top_k}) plus:", totals)
 
 
 if __name__ == "__main__":

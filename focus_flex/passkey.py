@@ -87,6 +87,7 @@ class PasskeyResult:
     density: float  # fraction of causal pairs computed in the prefill (Focus layers)
     seconds: float
     key_logprob: float | None = None  # log p(" " + key | prompt), nats (None: not measured, results of older runs)
+    first_logprob: float | None = None  # the part of key_logprob on the key's first token (SmolLM2: the space)
 
 
 # ---- prompts -------------------------------------------------------------------------------------
@@ -205,13 +206,14 @@ def greedy_answer(model: nn.Module, tokenizer: Any, input_ids: torch.Tensor,
 
 @torch.no_grad()
 def answer_key(model: nn.Module, tokenizer: Any, input_ids: torch.Tensor, key: str,
-               max_new_tokens: int = MAX_NEW_TOKENS) -> tuple[str, float]:
-    """:func:`greedy_answer` and ``log p(" " + key | input_ids)`` in nats, from the same prefill: the key's first
-    token scored by the prefill's last logits, the others by decode steps on its KV cache cropped back to the prompt
-    (the path generation takes, so a Focus adapter's ``dense_decode`` applies as it does to the answer)."""
+               max_new_tokens: int = MAX_NEW_TOKENS) -> tuple[str, list[float]]:
+    """:func:`greedy_answer` and the log-probability (nats) of each token of ``" " + key`` given the prompt and the
+    tokens before it, from the same prefill: the first token scored by the prefill's last logits, the others by
+    decode steps on its KV cache cropped back to the prompt (the path generation takes, so a Focus adapter's
+    ``dense_decode`` applies as it does to the answer)."""
     out = _generate(model, tokenizer, input_ids, max_new_tokens)
     target = tokenizer(" " + key, add_special_tokens=False).input_ids
-    logprob = out.logits[0][0].float().log_softmax(-1)[target[0]]
+    logprobs = [out.logits[0][0].float().log_softmax(-1)[target[0]].item()]
     # transformers up to 5.23 names the KV cache past_key_values, later versions cache
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     cache = getattr(out, name)
@@ -219,8 +221,8 @@ def answer_key(model: nn.Module, tokenizer: Any, input_ids: torch.Tensor, key: s
     device = next(model.parameters()).device
     for prev, nxt in zip(target[:-1], target[1:], strict=True):
         step = model(torch.tensor([[prev]], device=device), use_cache=True, **{name: cache})
-        logprob = logprob + step.logits[0, -1].float().log_softmax(-1)[nxt]
-    return out.sequences[0], logprob.item()
+        logprobs.append(step.logits[0, -1].float().log_softmax(-1)[nxt].item())
+    return out.sequences[0], logprobs
 
 
 def _generate(model: nn.Module, tokenizer: Any, input_ids: torch.Tensor, max_new_tokens: int) -> Any:
@@ -238,7 +240,7 @@ def _generate(model: nn.Module, tokenizer: Any, input_ids: torch.Tensor, max_new
     return out
 
 
-class _PrefillMeter(RoutingMeter):
+class PrefillMeter(RoutingMeter):
     """:class:`RoutingMeter` counting the prefill only (decode steps attend to a cache: not a square pattern)."""
 
     @torch.no_grad()
@@ -322,14 +324,14 @@ def _run(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None, mode: s
     haystack, length, depth, number = cell
     t0 = time.perf_counter()
     if mode == "full":
-        (answer, logprob), density = answer_key(model, tokenizer, prompt.input_ids, prompt.key), 1.0
+        (answer, logprobs), density = answer_key(model, tokenizer, prompt.input_ids, prompt.key), 1.0
     elif mode == "focus":
         assert adapter is not None
         adapter.mode = "fast"
         adapter.attach(model)
-        meter = _PrefillMeter(adapter)
+        meter = PrefillMeter(adapter)
         try:
-            answer, logprob = answer_key(model, tokenizer, prompt.input_ids, prompt.key)
+            answer, logprobs = answer_key(model, tokenizer, prompt.input_ids, prompt.key)
         finally:
             density, _ = meter.close()
             adapter.detach(model)
@@ -341,11 +343,11 @@ def _run(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None, mode: s
         w = matching_window(length, cfg.sink_tokens, sum(focus) / len(focus), tail)
         with window_only(model, w, cfg.sink_tokens, cfg.layers, dense_decode=cfg.dense_decode,
                          dense_tail=cfg.dense_tail):
-            answer, logprob = answer_key(model, tokenizer, prompt.input_ids, prompt.key)
+            answer, logprobs = answer_key(model, tokenizer, prompt.input_ids, prompt.key)
         density = window_density(length, w, cfg.sink_tokens, tail)
     results.append(PasskeyResult(mode, haystack, length, depth, number, prompt.key, answer,
                                  score(answer, prompt.key), prompt.depth, density, time.perf_counter() - t0,
-                                 logprob))
+                                 sum(logprobs), logprobs[0]))
     return density
 
 
@@ -421,8 +423,12 @@ def _tally(results: list[PasskeyResult]) -> str:
 
 
 def _mean_logprob(results: list[PasskeyResult]) -> str:
-    values = [r.key_logprob for r in results if r.key_logprob is not None]
-    return f"{sum(values) / len(values):.2f}" if values else "-"
+    """Mean key log-probability of ``results``: "all tokens (first token; the rest)"."""
+    rows = [r for r in results if r.key_logprob is not None and r.first_logprob is not None]
+    if not rows:
+        return "-"
+    total, first = (sum(getattr(r, f) for r in rows) / len(rows) for f in ("key_logprob", "first_logprob"))
+    return f"{total:.2f} ({first:.2f}; {total - first:.2f})"
 
 
 def prompt_id(r: PasskeyResult) -> tuple[str, int, int, int, str]:
@@ -462,7 +468,8 @@ def passkey_markdown(results: list[PasskeyResult], protocol: str = "") -> str:
             lines.append(f"| {mode} | " + " | ".join(_tally(c) for c in cells) + f" | {_tally(mine)} | {dens} |")
         if any(r.key_logprob is not None for r in rows):
             lines += ["", "Mean log-probability of the key (nats; its tokens teacher-forced on the answer's path; 0: "
-                      "certain, higher is better; \"-\": not measured):", "",
+                      "certain, higher is better): all its tokens (the first token, which starts the answer with "
+                      "the number; the rest, the key given that start); \"-\": not measured", "",
                       "| mode | " + " | ".join(f"{n} tokens" for n in lengths) + " | all |",
                       "|---" * (len(lengths) + 2) + "|"]
             for mode in modes:

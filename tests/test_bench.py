@@ -174,6 +174,40 @@ def test_passkey_oracle_dense_rows_attend_fully_and_the_rest_keep_focus():
             assert torch.allclose(model(x).logits, full, atol=1e-5)
 
 
+def test_passkey_oracle_wide_layers_route_those_layers_into_more_groups():
+    """``passkey_oracle --wide-layers --wide-top-k``: with every group per query and key, the wide layers attend
+    fully (the model without Focus there: Focus in the other layers only), the routing meter counts them as dense,
+    and the adapter's config is its own again afterwards."""
+    import torch
+    from test_adapter import ids, tiny
+
+    from benchmarks.passkey_oracle import layer_subset, wide_layers
+    from focus_flex import FocusAdapter, FocusConfig
+    from focus_flex.evaluate import RoutingMeter
+
+    model, x = tiny("llama"), ids(1, 60)
+    adapter = FocusAdapter.for_model(model, FocusConfig(num_groups=4, window=8, sink_tokens=2), seed=3)
+    own = (adapter.config.query_top_k, adapter.config.key_top_k)
+    with torch.no_grad():
+        full = model(x).logits
+        sub = layer_subset(adapter, [0])
+        sub.attach(model)
+        only_0 = model(x).logits
+        sub.detach(model)
+        adapter.attach(model)
+        focus = model(x).logits
+        meter = RoutingMeter(adapter)
+        with wide_layers([1], 4, 4):
+            wide_1 = model(x).logits
+        with wide_layers([0, 1], 4, 4):
+            wide_all = model(x).logits
+        meter.close()
+    assert (focus - full).abs().max() > 1e-3 and (focus - only_0).abs().max() > 1e-3
+    assert torch.allclose(wide_1, only_0, atol=1e-5) and torch.allclose(wide_all, full, atol=1e-5)
+    assert meter.density[0] < 1 and meter.density[1] == pytest.approx(1.0) and meter.density[2:] == [1.0, 1.0]
+    assert (adapter.config.query_top_k, adapter.config.key_top_k) == own != (4, 4)
+
+
 def test_passkey_oracle_needle_rows_attend_everything_and_the_rest_keep_the_pattern():
     """``passkey_oracle --variants needle-rows``: the needle's queries get causal dense attention, every other query
     the adapter's own pattern (checked against dense SDPA and the unpatched reference)."""

@@ -116,16 +116,19 @@ def test_answer_key_scores_the_key_on_the_answers_path(smollm2, caplog):
     cache: with the model's own attention and with a Focus adapter (its decode steps see what its prefill rows see)."""
     model, tok = smollm2
     p = P.build_prompt(tok, 512, 20, "58213", "filler")
-    answer, logprob = P.answer_key(model, tok, p.input_ids, "58213")
+    answer, logprobs = P.answer_key(model, tok, p.input_ids, "58213")
     assert answer == P.greedy_answer(model, tok, p.input_ids)
+    assert len(logprobs) == len(tok(" 58213", add_special_tokens=False).input_ids)
+    logprob = sum(logprobs)
     assert logprob == pytest.approx(teacher_forced_logprob(model, tok, p.input_ids, "58213"), abs=1e-3)
     assert -5 < logprob < 0  # full attention retrieves this key (the test above)
-    assert P.answer_key(model, tok, p.input_ids, "58214")[1] < logprob - 1  # another key is much less likely
+    assert sum(P.answer_key(model, tok, p.input_ids, "58214")[1]) < logprob - 1  # another key is much less likely
     adapter = FocusAdapter.from_pretrained(ADAPTER)
     adapter.config.dense_tail, adapter.config.dense_decode = 0, False
     adapter.attach(model)
     try:
         answer, focus = P.answer_key(model, tok, p.input_ids, "58213")
+        focus = sum(focus)
         assert answer == P.greedy_answer(model, tok, p.input_ids)
         assert focus == pytest.approx(teacher_forced_logprob(model, tok, p.input_ids, "58213"), abs=1e-3)
     finally:
@@ -152,7 +155,7 @@ def test_eval_task_passkey_writes_table_json_and_heatmaps(tmp_path, capsys):
         assert 0 < focus[h] < 1 and window[h] >= focus[h]  # the window is matched to focus's measured density
     table = (out / P.PASSKEY_MD).read_text()
     assert "| full | 1/1 | 1/1 |" in table and "Haystack `prose`" in table
-    assert all(r["key_logprob"] < 0 for r in rows) and "Mean log-probability of the key" in table
+    assert all(r["key_logprob"] < r["first_logprob"] < 0 for r in rows) and "Mean log-probability of the key" in table
     for h in P.HAYSTACKS:  # the key is likelier where it was retrieved than where the window could not see it
         lp = {r["mode"]: r["key_logprob"] for r in rows if r["haystack"] == h}
         assert lp["full"] > lp["window"], lp
@@ -237,12 +240,14 @@ def test_retention_counts_only_the_keys_full_attention_retrieves():
 
 
 def test_markdown_averages_the_key_logprob_and_older_results_load_without_one():
-    def row(mode, length, logprob):
-        return P.PasskeyResult(mode, "filler", length, 50, 0, "12345", "", False, 50, 1.0, 0.0, logprob)
+    def row(mode, length, logprob, first):
+        return P.PasskeyResult(mode, "filler", length, 50, 0, "12345", "", False, 50, 1.0, 0.0, logprob, first)
 
-    table = P.passkey_markdown([row("full", 1024, -0.5), row("full", 1024, -1.5), row("full", 2048, None),
-                                row("focus", 1024, -4.0), row("focus", 2048, -6.0)])
-    assert "| full | -1.00 | - | -1.00 |" in table and "| focus | -4.00 | -6.00 | -5.00 |" in table
+    table = P.passkey_markdown([row("full", 1024, -0.5, -0.25), row("full", 1024, -1.5, -1.0),
+                                row("full", 2048, None, None), row("focus", 1024, -4.0, -3.0),
+                                row("focus", 2048, -6.0, -1.0)])
+    assert "| full | -1.00 (-0.62; -0.38) | - | -1.00 (-0.62; -0.38) |" in table
+    assert "| focus | -4.00 (-3.00; -1.00) | -6.00 (-1.00; -5.00) | -5.00 (-2.00; -3.00) |" in table
     card = Path(ADAPTER).parents[0] / "smollm2-135m-instruct-focus-retrieval" / P.PASSKEY_JSON
     old = P.load_passkey(card)  # written before the key's log-probability was measured
     assert old and all(r.key_logprob is None for r in old)
