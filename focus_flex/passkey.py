@@ -466,7 +466,7 @@ def passkey_markdown(results: list[PasskeyResult], protocol: str = "") -> str:
             mine = [r for r in rows if r.mode == mode]
             dens = ", ".join(f"{100 * sum(r.density for r in c) / len(c):.1f}%" for c in cells if c)
             lines.append(f"| {mode} | " + " | ".join(_tally(c) for c in cells) + f" | {_tally(mine)} | {dens} |")
-        if any(r.key_logprob is not None for r in rows):
+        if any(r.first_logprob is not None for r in rows):
             lines += ["", "Mean log-probability of the key (nats; its tokens teacher-forced on the answer's path; 0: "
                       "certain, higher is better): all its tokens (the first token, which starts the answer with "
                       "the number; the rest, the key given that start); \"-\": not measured", "",
