@@ -201,7 +201,7 @@ def greedy_answer(model: nn.Module, tokenizer: Any, input_ids: torch.Tensor,
                   max_new_tokens: int = MAX_NEW_TOKENS) -> str:
     """Greedy continuation of ``input_ids [L]`` (``generate``, KV cache), stopped after the first run of digits or
     at EOS (which is not part of the answer)."""
-    return _generate(model, tokenizer, input_ids, max_new_tokens).sequences[0]
+    return _generate(model, tokenizer, input_ids, max_new_tokens)[0]
 
 
 @torch.no_grad()
@@ -211,7 +211,7 @@ def answer_key(model: nn.Module, tokenizer: Any, input_ids: torch.Tensor, key: s
     tokens before it, from the same prefill: the first token scored by the prefill's last logits, the others by
     decode steps on its KV cache cropped back to the prompt (the path generation takes, so a Focus adapter's
     ``dense_decode`` applies as it does to the answer)."""
-    out = _generate(model, tokenizer, input_ids, max_new_tokens)
+    answer, out = _generate(model, tokenizer, input_ids, max_new_tokens)
     target = tokenizer(" " + key, add_special_tokens=False).input_ids
     logprobs = [out.logits[0][0].float().log_softmax(-1)[target[0]].item()]
     # transformers up to 5.23 names the KV cache past_key_values, later versions cache
@@ -222,12 +222,11 @@ def answer_key(model: nn.Module, tokenizer: Any, input_ids: torch.Tensor, key: s
     for prev, nxt in zip(target[:-1], target[1:], strict=True):
         step = model(torch.tensor([[prev]], device=device), use_cache=True, **{name: cache})
         logprobs.append(step.logits[0, -1].float().log_softmax(-1)[nxt].item())
-    return out.sequences[0], logprobs
+    return answer, logprobs
 
 
-def _generate(model: nn.Module, tokenizer: Any, input_ids: torch.Tensor, max_new_tokens: int) -> Any:
-    """``generate``'s output (raw logits of every step, the KV cache) with ``sequences`` replaced by the answer's
-    text."""
+def _generate(model: nn.Module, tokenizer: Any, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[str, Any]:
+    """The answer's text and ``generate``'s output (raw logits of every step, the KV cache)."""
     ids = input_ids[None].to(next(model.parameters()).device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                          temperature=None, top_p=None, top_k=None, pad_token_id=tokenizer.eos_token_id,
@@ -236,8 +235,7 @@ def _generate(model: nn.Module, tokenizer: Any, input_ids: torch.Tensor, max_new
     new = out.sequences[0, ids.shape[1]:].tolist()
     if tokenizer.eos_token_id in new:
         new = new[:new.index(tokenizer.eos_token_id)]
-    out.sequences = [tokenizer.decode(new)]
-    return out
+    return tokenizer.decode(new), out
 
 
 class PrefillMeter(RoutingMeter):
