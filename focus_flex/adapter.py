@@ -21,6 +21,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from focus_flex.attention import (
     DECODE_MAX_QUERIES,
@@ -407,6 +408,9 @@ class FocusAdapter(nn.Module):
         if focus_layer and hasattr(cache_layer, "max_cache_len") and self.mode != "fast":  # a static buffer: its tokens
             key, value, padding = _buffer_tokens(cache_layer, key, value, padding)
         if self.mode == "soft":
+            if torch.is_grad_enabled() and cent.requires_grad:  # backward keeps q, k, v, not the [B, H, L, L] terms
+                return checkpoint(soft_attention, query, key, value, cent, c, attention_mask=padding, scale=scaling,
+                                  centering=centering, use_reentrant=False)
             return soft_attention(query, key, value, cent, c, attention_mask=padding, scale=scaling,
                                   centering=centering)
         if module.training and torch.is_grad_enabled() and cent.requires_grad:

@@ -217,9 +217,18 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
     _check_numbers(args)
     _check_modes(args.modes)
     try:
-        check_length(args.seq_len, args.window, args.sinks)
+        if not args.init_from:  # (else train() checks the saved adapter's window)
+            check_length(args.seq_len, args.window, args.sinks)
     except ValueError as e:
         raise CliError(f"--seq-len, --window, --sinks: {e}") from e
+    focus_flags = ("groups", "query_top_k", "key_top_k", "window", "sinks", "tau", "layers", "center", "dense_decode",
+                   "dense_tail")
+    defaults = vars(build_parser().parse_args(["retrofit"]))
+    changed = [f"--{f.replace('_', '-')}" for f in focus_flags if getattr(args, f) != defaults[f]]
+    if args.init_from and (changed or args.init != DEFAULT_TRAIN.init):
+        raise CliError(f"--init-from {args.init_from} starts from that adapter's centroids and Focus settings: drop "
+                       f"{' '.join(changed + (['--init'] if args.init != DEFAULT_TRAIN.init else []))} (to change a "
+                       f"setting, edit focus_config.json in a copy of the adapter)")
     if args.key_top_k >= args.groups:
         raise CliError(f"--key-top-k {args.key_top_k} with --groups {args.groups}: every key would join every group, "
                        f"which is full attention; pass a smaller --key-top-k (e.g. --key-top-k 1)")
@@ -231,7 +240,7 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
         tc = TrainConfig(objective=args.objective, steps=args.steps, batch_size=args.batch_size,
                          seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, balance_weight=args.balance_weight,
                          query_samples=args.query_samples, repeats=args.repeats, repeat_span=args.repeat_span,
-                         init=args.init, seed=args.seed, eval_every=args.eval_every,
+                         init="keep" if args.init_from else args.init, seed=args.seed, eval_every=args.eval_every,
                          checkpoint_every=args.checkpoint_every)
         check_batch(tc.batch_size, world)
     except ValueError as e:
@@ -257,8 +266,13 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
     if args.center is None:  # the default needs the model's layers
         focus.center = upper_half(model, focus.layers)
     try:
-        adapter = FocusAdapter.for_model(model, focus, seed=args.seed)
-    except ValueError as e:
+        if args.init_from:
+            adapter = FocusAdapter.from_pretrained(args.init_from)
+            adapter.check_compatible(model)
+            adapter.config.extra = {"init_from": args.init_from}  # the results and card of the start are not this one's
+        else:
+            adapter = FocusAdapter.for_model(model, focus, seed=args.seed)
+    except (OSError, ValueError) as e:
         raise CliError(str(e)) from e
     adapter.config.base_model_revision = args.revision
     out = args.output_dir or os.path.join("runs", f"retrofit-{_slug(adapter.config.base_model or 'model')}")
@@ -515,7 +529,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "token (docs/passkey.md)")
     t = r.add_argument_group("training")
     c = DEFAULT_TRAIN
-    t.add_argument("--objective", choices=["distill", "lm"], default=c.objective)
+    t.add_argument("--objective", choices=["distill", "lm", "kd"], default=c.objective,
+                   help="distill: each layer's attention output (layer-local); lm: next-token loss; kd: KL from the "
+                        "model's own next-token distribution (end to end, soft routing; docs/passkey.md)")
     t.add_argument("--steps", type=int, default=c.steps)
     t.add_argument("--batch-size", type=int, default=c.batch_size, help="global sequences per step")
     t.add_argument("--seq-len", type=int, default=c.seq_len, help="training sequence length")
@@ -524,9 +540,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--balance-weight", type=float, default=c.balance_weight)
     t.add_argument("--query-samples", type=int, default=c.query_samples, help="distill: attention rows per layer")
     t.add_argument("--repeats", type=int, default=c.repeats,
-                   help="distill: spans copied far ahead into each training sequence, half the rows read them back")
+                   help="distill, kd: spans copied far ahead into each training sequence, half the rows (distill) or "
+                        "half the loss (kd) read them back")
     t.add_argument("--repeat-span", type=int, default=c.repeat_span, help="tokens per copied span")
     t.add_argument("--init", choices=["kmeans", "random"], default=c.init)
+    t.add_argument("--init-from", metavar="ADAPTER", default=None,
+                   help="fine-tune a saved adapter (folder or Hub id): start from its centroids, means and Focus "
+                        "settings")
     t.add_argument("--seed", type=int, default=c.seed)
     t.add_argument("--eval-every", type=int, default=c.eval_every, help="dev metrics every N steps")
     t.add_argument("--checkpoint-every", type=int, default=c.checkpoint_every)

@@ -17,8 +17,13 @@ Two objectives:
   that leads the equal-density window by as much or more than the exact weighting (``b`` with k units of mass)
   on the development split (docs/quality.md, "Far-pair weighting in distill").
 * ``lm`` (end to end, the paper's setup): the adapter runs in ``"soft"`` mode and the next-token loss is
-  back-propagated through the frozen model to the centroids (dense soft attention: keep ``seq_len`` ~1K
-  on CPU).
+  back-propagated through the frozen model to the centroids (dense soft attention, recomputed in the backward
+  pass: a 2K sequence takes about 6 GB and a minute on 2 CPU cores).
+* ``kd`` (end to end, distillation of the model's output): as ``lm``, but the loss is the KL divergence from the
+  model's own next-token distribution (full attention, same sequence) to the soft adapter's, averaged over the
+  positions that have far keys (``>= window``); with ``repeats``, half of it over the positions that continue a
+  copied span. Every layer's routing is weighed by what its errors do to the output, not by its own attention
+  output alone.
 
 Balance: both add ``balance_weight`` x the SwAV-style cross-entropy between the keys' routing
 probabilities and their Sinkhorn-balanced targets (:func:`routing.sinkhorn`). Key groups decide how many
@@ -58,8 +63,8 @@ from focus_flex.config import FocusConfig
 from focus_flex.data import check_windows
 
 CAPTURE = "focus_capture"  # transformers attention implementation that records q/k/v
-OBJECTIVES = ("distill", "lm")
-INITS = ("kmeans", "random")
+OBJECTIVES = ("distill", "lm", "kd")
+INITS = ("kmeans", "random", "keep")
 CHECKPOINT_DIR = "checkpoints"
 STATE_NAME = "trainer_state.pt"
 
@@ -90,9 +95,9 @@ class TrainConfig:
     warmup: int = 2
     balance_weight: float = 1.0
     query_samples: int = 192  # distill: attention rows per sequence and layer
-    repeats: int = 0  # distill: spans copied far ahead into each training sequence (long-range repetition)
+    repeats: int = 0  # distill, kd: spans copied far ahead into each training sequence (long-range repetition)
     repeat_span: int = 32  # tokens per copied span
-    init: str = "kmeans"  # spherical k-means of the keys of the first sequence, or "random"
+    init: str = "kmeans"  # spherical k-means of the keys of the first sequence, "random", or "keep" (fine-tune)
     seed: int = 0
     eval_every: int = 0  # dev metrics every N steps (0: at the end only)
     checkpoint_every: int = 0  # checkpoint every N steps (0: at the end only, when an output dir is given)
@@ -107,8 +112,9 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be an int >= 1")
         if not isinstance(self.repeats, int) or self.repeats < 0:
             raise ValueError(f"repeats={self.repeats!r} must be an int >= 0")
-        if self.repeats and self.objective != "distill":
-            raise ValueError("repeats needs objective='distill' (the copies choose which attention rows are distilled)")
+        if self.repeats and self.objective == "lm":
+            raise ValueError("repeats needs objective='distill' or 'kd' (the copies choose which rows or positions "
+                             "are distilled)")
         if not (0 < self.lr < math.inf and 0 <= self.balance_weight < math.inf and self.warmup >= 0):
             raise ValueError(f"lr={self.lr} must be finite and > 0, balance_weight={self.balance_weight} finite and "
                              f">= 0, warmup={self.warmup} >= 0")
@@ -411,19 +417,33 @@ def accumulate_gradients(model: nn.Module, adapter: FocusAdapter, sequences: tor
                 sums[tc.objective] += main.item() / global_batch
                 sums["balance"] += bal.item() / global_batch
         else:
-            lm, bal = lm_losses(model, adapter, seq)
-            ((lm + tc.balance_weight * bal) / global_batch).backward()
-            sums["lm"] += lm.item() / global_batch
+            follow = None
+            if tc.objective == "kd" and tc.repeats:
+                gen = _step_generator(tc.seed, step, 2 + position)
+                seq, follow = with_repeats(seq.cpu(), tc.repeats, tc.repeat_span, cfg.window, gen)
+            main, bal = lm_losses(model, adapter, seq, kd=tc.objective == "kd", follow=follow)
+            ((main + tc.balance_weight * bal) / global_batch).backward()
+            sums[tc.objective] += main.item() / global_batch
             sums["balance"] += bal.item() / global_batch
     sums["loss"] = sums[tc.objective] + tc.balance_weight * sums["balance"]
     return sums
 
 
-def lm_losses(model: nn.Module, adapter: FocusAdapter, seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def lm_losses(model: nn.Module, adapter: FocusAdapter, seq: torch.Tensor, kd: bool = False,
+              follow: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token loss of ``seq [L]`` through the attached (soft) adapter, and the mean key-balance loss of its
-    layers (from the keys each Focus layer sees, collected by a forward hook on the adapter)."""
+    layers (from the keys each Focus layer sees, collected by a forward hook on the adapter).
+
+    ``kd``: instead of the next-token loss, ``KL(full || focus)`` of the next-token distributions at the positions
+    ``>= window``, the model's own (full attention) computed first with the adapter switched off; ``follow``
+    (positions that continue a copied span) take half of it.
+    """
     cfg = adapter.config
     bals: list[torch.Tensor] = []
+    x = seq[None].to(next(model.parameters()).device)
+    if kd:
+        with torch.no_grad(), _own_attention(model, adapter):
+            teacher = model(input_ids=x, use_cache=False).logits[0].float().log_softmax(-1)
 
     def hook(module: FocusAdapter, args: tuple, output: torch.Tensor) -> None:
         _, slot, query, key, _, padding = args[:6]
@@ -432,11 +452,26 @@ def lm_losses(model: nn.Module, adapter: FocusAdapter, seq: torch.Tensor) -> tup
 
     handle = adapter.register_forward_hook(hook)
     try:
-        x = seq[None].to(next(model.parameters()).device)
-        lm = model(input_ids=x, labels=x, use_cache=False).loss
+        if not kd:
+            return model(input_ids=x, labels=x, use_cache=False).loss, torch.stack(bals).mean()
+        student = model(input_ids=x, use_cache=False).logits[0].float().log_softmax(-1)
     finally:
         handle.remove()
-    return lm, torch.stack(bals).mean()
+    kl = (teacher.exp() * (teacher - student)).sum(-1)  # [L]
+    far = kl[min(cfg.window, len(kl) - 1):].mean()
+    if follow is None or not len(follow):
+        return far, torch.stack(bals).mean()
+    return 0.5 * far + 0.5 * kl[follow.to(kl.device)].mean(), torch.stack(bals).mean()
+
+
+@contextlib.contextmanager
+def _own_attention(model: nn.Module, adapter: FocusAdapter) -> Iterator[None]:
+    """The model's own attention inside the block, the adapter (attached to ``model``) again after it."""
+    adapter.detach(model)
+    try:
+        yield
+    finally:
+        adapter.attach(model)
 
 
 def learning_rate(tc: TrainConfig, step: int) -> float:
@@ -606,7 +641,7 @@ def _train_frozen(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor
                 adapter.key_means.copy_(saved.key_means)
         optimizer.load_state_dict(state["optimizer"])
         start, history = state["step"], state["history"]
-    else:  # the first window: the heads' means (centered routing), then the k-means start
+    elif tc.init != "keep":  # the first window: the heads' means (centered routing), then the k-means start
         if rank == 0 and (adapter.config.center or tc.init == "kmeans"):
             first = teacher_qkv(model, windows[batch_indices(len(windows), 1, tc.seed, 0)])
             if adapter.config.center:
@@ -620,7 +655,7 @@ def _train_frozen(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor
     centering = centerings(adapter, model)
     dev_qkv = [teacher_qkv(model, w[None]) for w in dev_windows] if dev_windows is not None and rank == 0 else []
     say = log if log is not None and rank == 0 else (lambda msg: None)
-    lm_mode = tc.objective == "lm"
+    lm_mode = tc.objective in ("lm", "kd")
     if lm_mode:
         adapter.mode = "soft"
         adapter.attach(model)

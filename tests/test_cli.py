@@ -134,6 +134,28 @@ def test_retrofit_centered_then_eval(tiny, tmp_path, flags, center):
     assert json.loads((tmp_path / "eval" / RESULTS_JSON).read_text())["results"][0]["density"] < 1
 
 
+def test_retrofit_fine_tunes_a_saved_adapter(tiny, tmp_path, capsys):
+    """--init-from: training starts from the saved centroids and keeps the saved Focus settings (here: kd)."""
+    data = ["--model", str(tiny / "model"), "--data", str(tiny / "train"), "--eval-data", str(tiny / "eval")]
+    assert main(["retrofit", *data, "--steps", "1", "--modes", "--output-dir", str(tmp_path / "first"), *TINY]) == 0
+    start = FocusAdapter.from_pretrained(str(tmp_path / "first" / "adapter"))
+    plain = ["--context", "64", "--seq-len", "48", "--eval-windows", "1", "--no-progress"]  # no Focus flags
+    assert main(["retrofit", *data, "--init-from", str(tmp_path / "first" / "adapter"), "--objective", "kd",
+                 "--steps", "1", "--lr", "1e-3", "--modes", "full", "focus", "--output-dir", str(tmp_path / "tuned"),
+                 *plain]) == 0
+    tuned = FocusAdapter.from_pretrained(str(tmp_path / "tuned" / "adapter"))
+    assert {**tuned.config.to_dict(), "extra": None} == {**start.config.to_dict(), "extra": None}
+    assert 0 < (tuned.centroids - start.centroids).abs().max() < 0.01  # one small step from them, not a new k-means
+    assert tuned.config.extra["init_from"] == str(tmp_path / "first" / "adapter")
+    assert tuned.config.extra["training"]["objective"] == "kd" and "results" in tuned.config.extra
+    capsys.readouterr()
+    for flags, message in ((["--window", "8"], "drop --window (to change a setting, edit focus_config.json"),
+                           (["--init", "random"], "drop --init")):
+        assert main(["retrofit", *data, "--init-from", str(tmp_path / "first" / "adapter"), *flags,
+                     "--output-dir", str(tmp_path / "bad"), *plain]) == 2
+        assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args,message", [
     (["--model", "MODEL/../nope"], "cannot load model"),
     (["--data", "TINY/missing.txt", "--eval-data", "TINY/eval"], "cannot read the training data"),

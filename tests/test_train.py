@@ -14,6 +14,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from focus_flex import FocusAdapter, FocusConfig, routing
 from focus_flex import train as T
+from focus_flex.adapter import has_focus
 from focus_flex.attention import focus_pattern, reference_attention
 from focus_flex.train import TrainConfig, capture_qkv, distill_layer_loss, model_checksum, train
 
@@ -41,14 +42,14 @@ def run(objective: str = "distill", *, seed: int = 0, steps: int = 3, batch_size
     return adapter
 
 
-@pytest.mark.parametrize("objective", ["distill", "lm"])
+@pytest.mark.parametrize("objective", ["distill", "lm", "kd"])
 def test_only_centroids_get_gradients_and_base_model_is_untouched(objective):
     model = tiny_llama()
     adapter = FocusAdapter.for_model(model, FOCUS)
     before = model_checksum(model)
     tc = TrainConfig(objective=objective, steps=1, batch_size=2, seq_len=48, query_samples=16)
     model.requires_grad_(False)
-    if objective == "lm":
+    if objective != "distill":
         adapter.mode = "soft"
         adapter.attach(model)
     parts = T.accumulate_gradients(model, adapter, windows()[:2], [0, 1], tc, step=0)
@@ -56,7 +57,7 @@ def test_only_centroids_get_gradients_and_base_model_is_untouched(objective):
     g = adapter.centroids.grad
     assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
     assert parts["loss"] > 0 and parts["balance"] > 0
-    if objective == "lm":
+    if objective != "distill":
         adapter.detach(model)
     start = adapter.centroids.detach().clone()
     train(model, adapter, windows(), tc, progress=False)
@@ -73,7 +74,7 @@ def test_checksum_sees_any_change():
     assert model_checksum(model) != before
 
 
-@pytest.mark.parametrize("objective", ["distill", "lm"])
+@pytest.mark.parametrize("objective", ["distill", "lm", "kd"])
 def test_same_seed_same_centroids(objective):
     a, b, c = run(objective, seed=3), run(objective, seed=3), run(objective, seed=4)
     assert torch.equal(a.centroids, b.centroids)
@@ -223,6 +224,41 @@ def test_kmeans_init_gives_unit_centroids_on_key_clusters():
     assert torch.allclose(adapter.centroids.norm(dim=-1), torch.ones(()), atol=1e-5)
     km = routing.hard_membership(qkv[0][1], adapter.centroids[0], 1)
     assert (routing.group_balance(km, 4) < 4).all()  # no group holds every key
+
+
+def test_kd_is_the_kl_from_full_attention_to_the_soft_pattern():
+    model = tiny_llama().requires_grad_(False)
+    seq = windows()[0]
+    with torch.no_grad():
+        full = model(seq[None]).logits[0].log_softmax(-1)
+    adapter = FocusAdapter.for_model(model, FOCUS, seed=0)
+    adapter.mode = "soft"
+    adapter.attach(model)
+    with torch.no_grad():
+        soft = model(seq[None]).logits[0].log_softmax(-1)
+    kl = F.kl_div(soft, full, log_target=True, reduction="none").sum(-1)  # [L]
+    follow = torch.tensor([20, 21, 30, 47])
+    with torch.no_grad():
+        plain, _ = T.lm_losses(model, adapter, seq, kd=True)
+        copies, _ = T.lm_losses(model, adapter, seq, kd=True, follow=follow)
+    assert plain > 1e-4  # far pairs are lost, so the output distribution moves
+    torch.testing.assert_close(plain, kl[FOCUS.window:].mean())
+    torch.testing.assert_close(copies, 0.5 * kl[FOCUS.window:].mean() + 0.5 * kl[follow].mean())
+    torch.testing.assert_close(kl[:FOCUS.window + 1], torch.zeros(FOCUS.window + 1), atol=1e-5, rtol=0)  # all near
+    assert has_focus(model)  # the teacher's forward switched Focus off and back on
+    adapter.detach(model)
+
+
+def test_keep_starts_from_the_adapter_as_given():
+    model = tiny_llama()
+    start = run(steps=2)
+    tc = TrainConfig(steps=1, seq_len=48, query_samples=16, lr=1e-6, init="keep")
+    kept = FocusAdapter(start.config, start.centroids.detach().clone())
+    train(model, kept, windows(), tc, progress=False)
+    torch.testing.assert_close(kept.centroids.detach(), start.centroids.detach(), atol=1e-5, rtol=0)
+    fresh = FocusAdapter(start.config, start.centroids.detach().clone())
+    train(model, fresh, windows(), TrainConfig(**{**tc.__dict__, "init": "kmeans"}), progress=False)
+    assert not torch.allclose(fresh.centroids.detach(), start.centroids.detach(), atol=1e-3)
 
 
 def test_config_errors():
