@@ -25,7 +25,7 @@ Two objectives:
   copied span. Every layer's routing is weighed by what its errors do to the output, not by its own attention
   output alone.
 
-Balance: both add ``balance_weight`` x the SwAV-style cross-entropy between the keys' routing
+Balance: every objective adds ``balance_weight`` x the SwAV-style cross-entropy between the keys' routing
 probabilities and their Sinkhorn-balanced targets (:func:`routing.sinkhorn`). Key groups decide how many
 far pairs a query sees (k_q groups' worth of keys), so balanced key groups bound the density and no group
 swallows the sequence; queries are free to pick whichever groups hold the keys they attend to.
