@@ -363,3 +363,24 @@ def test_layer_fidelity_is_the_full_attention_mass_on_the_reference_pattern():
     wide = FocusAdapter.for_model(model, FocusConfig(num_groups=4, window=64, sink_tokens=2), seed=3)
     for kept, error, far in layer_fidelity(model, wide, qkv, idx).values():
         assert (kept - 1).abs().max() <= 1e-6 and error.max() <= 1e-10 and far.max() == 0
+
+
+def test_output_kl_retrieval_prompt_hides_the_code_and_scores_its_tokens():
+    """``output_kl``'s training-side retrieval prompt: exactly ``length`` tokens, the code twice in the needle and once
+    as the answer's last tokens, which the returned positions predict."""
+    import random
+
+    from benchmarks.output_kl import retrieval_prompt
+    from focus_flex.data import load_documents
+    from focus_flex.models import load_model
+
+    _, tok = load_model()
+    book = tok(" ".join(load_documents(None, "train")[0].split()[:3000]), add_special_tokens=False)["input_ids"]
+    for length in (512, 700):
+        seq, pos = retrieval_prompt(tok, book, length, random.Random(length))
+        assert seq.shape == (length,) and int(pos[-1]) == length - 2
+        text = tok.decode(seq)
+        answer = tok.decode(seq[pos + 1])
+        code = answer.strip()
+        assert len(code) == 7 and code.replace("-", "").isdigit() and text.count(code) == 3
+        assert text.endswith("The secret code is" + answer) and tok.decode(seq[:pos[0] + 1]).endswith("code is")
