@@ -6,8 +6,9 @@ Two texts, neither a passkey prompt (what the ``kd`` objective can be checked on
   ahead (as ``retrofit --repeats`` builds training sequences). Reported: the mean ``KL(full || Focus)`` in nats over
   the positions from 256 on (``far``), and over the positions that continue a copy (``copies``, where the model
   reads a span back from far away).
-* ``retrieval``: chat prompts built from the *training* books, with another instruction, needle, question and key
-  format than the passkey evaluation (a 4-digit dashed code, :func:`retrieval_prompt`). Reported: the mean
+* ``retrieval``: chat prompts built from the *training* books (``--books eval``: the held-out ones), with another
+  instruction, needle, question and key format than the passkey evaluation (a 4-digit dashed code,
+  :func:`retrieval_prompt`). Reported: the mean
   log-probability of the code's tokens given the started answer (``key``, and its ``first`` token), for full
   attention and each adapter.
 
@@ -70,6 +71,7 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=4, help="windows (books) or prompts (retrieval)")
     ap.add_argument("--repeats", type=int, default=16, help="books: copied spans per window")
     ap.add_argument("--window", type=int, default=None, help="override the adapters' window")
+    ap.add_argument("--books", choices=["train", "eval"], default="train", help="retrieval: the haystack's books")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     print(" | ".join(f"{k}: {v}" for k, v in machine_info().items()))
@@ -79,7 +81,7 @@ def main() -> None:
         cases = [with_repeats(w, args.repeats, 32, 256, torch.Generator().manual_seed(args.seed + i))
                  for i, w in enumerate(windows)]
     else:
-        books = [" ".join(d.split()) for d in load_documents(None, "train")]
+        books = [" ".join(d.split()) for d in load_documents(None, args.books)]
         book_ids = [t for d in books for t in tok(d, add_special_tokens=False)["input_ids"]]
         rng = random.Random(args.seed)
         cases = [retrieval_prompt(tok, book_ids, args.length, rng) for _ in range(args.count)]
