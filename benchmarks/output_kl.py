@@ -26,7 +26,7 @@ from benchmarks.bench import machine_info
 from focus_flex import FocusAdapter
 from focus_flex.data import load_documents, token_windows
 from focus_flex.models import load_model
-from focus_flex.passkey import _nearest_boundary, _next_boundary
+from focus_flex.passkey import _book_ids, _nearest_boundary, _next_boundary, _wrap
 from focus_flex.train import with_repeats
 
 INSTRUCTION = ("Read the passage below. Somewhere in it a secret code is mentioned once; you will be asked to recall "
@@ -42,11 +42,9 @@ def retrieval_prompt(tokenizer, book_ids: list[int], length: int, rng: random.Ra
     sentence boundary of a random excerpt of ``book_ids``, ending with the started answer and the code itself
     (teacher-forced); ``positions`` are the ones that predict the code's tokens."""
     key = "-".join(str(rng.randint(0, 9)) for _ in range(4))
-    marker = "\x00BODY\x00"
-    before, after = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
-                                                  add_generation_prompt=True).split(marker)
+    before, after = _wrap(tokenizer, ANSWER_PREFIX)
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in
-           (before + INSTRUCTION, NEEDLE.format(key=key), QUESTION + after + ANSWER_PREFIX, " " + key)]
+           (before + INSTRUCTION, NEEDLE.format(key=key), QUESTION + after, " " + key)]
     head, needle, tail, answer = ids
     n = length - len(head) - len(needle) - len(tail) - len(answer)
     start = _next_boundary(tokenizer, book_ids, rng.randrange(0, len(book_ids) - n - 64))
@@ -81,10 +79,8 @@ def main() -> None:
         cases = [with_repeats(w, args.repeats, 32, 256, torch.Generator().manual_seed(args.seed + i))
                  for i, w in enumerate(windows)]
     else:
-        books = [" ".join(d.split()) for d in load_documents(None, args.books)]
-        book_ids = [t for d in books for t in tok(d, add_special_tokens=False)["input_ids"]]
         rng = random.Random(args.seed)
-        cases = [retrieval_prompt(tok, book_ids, args.length, rng) for _ in range(args.count)]
+        cases = [retrieval_prompt(tok, _book_ids(tok, args.books), args.length, rng) for _ in range(args.count)]
     full = [log_probs(model, seq) for seq, _ in cases]
     if args.text == "retrieval":
         print("| pattern | key log-probability (first token) |\n|---|---|")

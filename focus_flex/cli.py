@@ -221,14 +221,15 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
             check_length(args.seq_len, args.window, args.sinks)
     except ValueError as e:
         raise CliError(f"--seq-len, --window, --sinks: {e}") from e
-    focus_flags = ("groups", "query_top_k", "key_top_k", "window", "sinks", "tau", "layers", "center", "dense_decode",
-                   "dense_tail")
-    defaults = vars(build_parser().parse_args(["retrofit"]))
-    changed = [f"--{f.replace('_', '-')}" for f in focus_flags if getattr(args, f) != defaults[f]]
-    if args.init_from and (changed or args.init != DEFAULT_TRAIN.init):
-        raise CliError(f"--init-from {args.init_from} starts from that adapter's centroids and Focus settings: drop "
-                       f"{' '.join(changed + (['--init'] if args.init != DEFAULT_TRAIN.init else []))} (to change a "
-                       f"setting, edit focus_config.json in a copy of the adapter)")
+    if args.init_from:  # the saved adapter's settings, not the Focus flags
+        defaults = vars(build_parser().parse_args(["retrofit"]))
+        changed = [f"--{f.replace('_', '-')}" for f in ("groups", "query_top_k", "key_top_k", "window", "sinks", "tau",
+                                                         "layers", "center", "dense_decode", "dense_tail", "init")
+                   if getattr(args, f) != defaults[f]]
+        if changed:
+            raise CliError(f"--init-from {args.init_from} starts from that adapter's centroids and Focus settings: "
+                           f"drop {' '.join(changed)} (to change a setting, edit focus_config.json in a copy of the "
+                           f"adapter)")
     if args.key_top_k >= args.groups:
         raise CliError(f"--key-top-k {args.key_top_k} with --groups {args.groups}: every key would join every group, "
                        f"which is full attention; pass a smaller --key-top-k (e.g. --key-top-k 1)")

@@ -98,15 +98,16 @@ def make_key(haystack: str, length: int, depth: int, number: int, seed: int = 0)
     return str(random.Random(f"{seed}/{haystack}/{length}/{depth}/{number}").randint(10000, 99999))
 
 
-def _wrap(tokenizer: Any, body: str) -> tuple[str, str]:
-    """Text before and after the user's message ``body``: the chat template's user turn + answer prefix."""
+def _wrap(tokenizer: Any, answer_prefix: str = ANSWER_PREFIX) -> tuple[str, str]:
+    """Text before and after a user message: the chat template's user turn, then the assistant's answer started
+    with ``answer_prefix``."""
     marker = "\x00BODY\x00"
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
                                              add_generation_prompt=True)
         before, after = text.split(marker)
-        return before, after + ANSWER_PREFIX
-    return "", "\n" + ANSWER_PREFIX
+        return before, after + answer_prefix
+    return "", "\n" + answer_prefix
 
 
 def haystack_ids(tokenizer: Any, haystack: str, n: int, number: int = 0) -> list[int]:
@@ -116,7 +117,7 @@ def haystack_ids(tokenizer: Any, haystack: str, n: int, number: int = 0) -> list
         return (one * (n // len(one) + 1))[:n]
     if haystack != "prose":
         raise ValueError(f"haystack {haystack!r} unknown: choose from {HAYSTACKS}")
-    ids = _held_out_ids(tokenizer)
+    ids = _book_ids(tokenizer, "eval")
     if len(ids) < n:
         raise ValueError(f"the held-out books hold {len(ids)} tokens, fewer than the {n} asked for")
     start = (number * 7919 * 64) % (len(ids) - n - 63)  # different excerpts for different keys, deterministic
@@ -124,17 +125,18 @@ def haystack_ids(tokenizer: Any, haystack: str, n: int, number: int = 0) -> list
     return ids[start:start + n]
 
 
-_BOOKS: dict[int, list[int]] = {}
+_BOOKS: dict[tuple[int, str], list[int]] = {}
 
 
-def _held_out_ids(tokenizer: Any) -> list[int]:
-    """Token ids of the shipped held-out books, concatenated (cached per tokenizer)."""
-    if id(tokenizer) not in _BOOKS:
+def _book_ids(tokenizer: Any, split: str) -> list[int]:
+    """Token ids of the shipped books of ``split`` (``"eval"``: held out), concatenated (cached per tokenizer)."""
+    if (id(tokenizer), split) not in _BOOKS:
         from focus_flex.data import load_documents
 
-        docs = [" ".join(doc.split()) for doc in load_documents(None, "eval")]  # one line: no hard-wrap newlines
-        _BOOKS[id(tokenizer)] = [t for doc in docs for t in tokenizer(doc, add_special_tokens=False)["input_ids"]]
-    return _BOOKS[id(tokenizer)]
+        docs = [" ".join(doc.split()) for doc in load_documents(None, split)]  # one line: no hard-wrap newlines
+        ids = tokenizer(docs, add_special_tokens=False)["input_ids"]
+        _BOOKS[id(tokenizer), split] = [t for doc in ids for t in doc]
+    return _BOOKS[id(tokenizer), split]
 
 
 def build_prompt(tokenizer: Any, length: int, depth: float, key: str, haystack: str = "filler",
@@ -142,7 +144,7 @@ def build_prompt(tokenizer: Any, length: int, depth: float, key: str, haystack: 
     """A prompt of exactly ``length`` tokens with the needle at ``depth`` % of the haystack (module docstring)."""
     if not 0 <= depth <= 100:
         raise ValueError(f"depth {depth} is outside 0-100 (% of the haystack)")
-    before, after = _wrap(tokenizer, "")
+    before, after = _wrap(tokenizer)
     head = tokenizer(before + INSTRUCTION, add_special_tokens=False)["input_ids"]
     tail = tokenizer(QUESTION + after, add_special_tokens=False)["input_ids"]
     enc = tokenizer(NEEDLE.format(key=key), add_special_tokens=False, return_offsets_mapping=True)
