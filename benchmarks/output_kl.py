@@ -26,14 +26,20 @@ from benchmarks.bench import machine_info
 from focus_flex import FocusAdapter
 from focus_flex.data import load_documents, token_windows
 from focus_flex.models import load_model
-from focus_flex.passkey import _book_ids, _nearest_boundary, _next_boundary, _wrap
+from focus_flex.passkey import PromptText, _book_ids, _nearest_boundary, _next_boundary, _wrap
 from focus_flex.train import with_repeats
 
-INSTRUCTION = ("Read the passage below. Somewhere in it a secret code is mentioned once; you will be asked to recall "
-               "it at the end.")
-NEEDLE = " (A note for the reader: the secret code is {key}. Do not forget {key}.)"
-QUESTION = "\n\nWhich secret code did the passage mention?"
-ANSWER_PREFIX = "The secret code is"
+RETRIEVAL_TEXT = PromptText(
+    instruction="Read the passage below. Somewhere in it a secret code is mentioned once; you will be asked to recall "
+                "it at the end.",
+    needle=" (A note for the reader: the secret code is {key}. Do not forget {key}.)",
+    question="\n\nWhich secret code did the passage mention?",
+    answer_prefix="The secret code is")
+
+
+def dashed_code(rng: random.Random) -> str:
+    """The retrieval prompts' key format: four dashed digits such as ``2-9-1-4``."""
+    return "-".join(str(rng.randint(0, 9)) for _ in range(4))
 
 
 def retrieval_prompt(tokenizer, book_ids: list[int], length: int, rng: random.Random) -> tuple[torch.Tensor,
@@ -41,10 +47,10 @@ def retrieval_prompt(tokenizer, book_ids: list[int], length: int, rng: random.Ra
     """``(ids [length], positions)``: a chat prompt whose user turn hides a code such as ``2-9-1-4`` at a random
     sentence boundary of a random excerpt of ``book_ids``, ending with the started answer and the code itself
     (teacher-forced); ``positions`` are the ones that predict the code's tokens."""
-    key = "-".join(str(rng.randint(0, 9)) for _ in range(4))
-    before, after = _wrap(tokenizer, ANSWER_PREFIX)
+    key, text = dashed_code(rng), RETRIEVAL_TEXT
+    before, after = _wrap(tokenizer, text.answer_prefix)
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in
-           (before + INSTRUCTION, NEEDLE.format(key=key), QUESTION + after, " " + key)]
+           (before + text.instruction, text.needle.format(key=key), text.question + after, " " + key)]
     head, needle, tail, answer = ids
     n = length - len(head) - len(needle) - len(tail) - len(answer)
     start = _next_boundary(tokenizer, book_ids, rng.randrange(0, len(book_ids) - n - 64))

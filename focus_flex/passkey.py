@@ -60,6 +60,16 @@ PASSKEY_JSON, PASSKEY_MD = "passkey.json", "passkey.md"
 SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s*$")
 
 
+@dataclass(frozen=True)
+class PromptText:
+    """The words of a retrieval prompt around its haystack; ``needle`` holds ``{key}`` where the key goes."""
+
+    instruction: str = INSTRUCTION
+    needle: str = NEEDLE
+    question: str = QUESTION
+    answer_prefix: str = ANSWER_PREFIX
+
+
 @dataclass
 class PasskeyPrompt:
     """One prompt: ``input_ids [length]``, the key, and where the needle and the key's digits are (token indices)."""
@@ -140,14 +150,17 @@ def _book_ids(tokenizer: Any, split: str) -> list[int]:
 
 
 def build_prompt(tokenizer: Any, length: int, depth: float, key: str, haystack: str = "filler",
-                 number: int = 0) -> PasskeyPrompt:
-    """A prompt of exactly ``length`` tokens with the needle at ``depth`` % of the haystack (module docstring)."""
+                 number: int = 0, text: PromptText = PromptText()) -> PasskeyPrompt:
+    """A prompt of exactly ``length`` tokens with the needle at ``depth`` % of the haystack (module docstring);
+    ``text``: other words around the haystack than the passkey's."""
     if not 0 <= depth <= 100:
         raise ValueError(f"depth {depth} is outside 0-100 (% of the haystack)")
-    before, after = _wrap(tokenizer)
-    head = tokenizer(before + INSTRUCTION, add_special_tokens=False)["input_ids"]
-    tail = tokenizer(QUESTION + after, add_special_tokens=False)["input_ids"]
-    enc = tokenizer(NEEDLE.format(key=key), add_special_tokens=False, return_offsets_mapping=True)
+    if "{key}" not in text.needle:
+        raise ValueError(f"the needle {text.needle!r} has no '{{key}}' where the key goes")
+    before, after = _wrap(tokenizer, text.answer_prefix)
+    head = tokenizer(before + text.instruction, add_special_tokens=False)["input_ids"]
+    tail = tokenizer(text.question + after, add_special_tokens=False)["input_ids"]
+    enc = tokenizer(text.needle.format(key=key), add_special_tokens=False, return_offsets_mapping=True)
     needle, offsets = enc["input_ids"], enc["offset_mapping"]
     n = length - len(head) - len(tail) - len(needle)
     if n < 1:
@@ -156,7 +169,7 @@ def build_prompt(tokenizer: Any, length: int, depth: float, key: str, haystack: 
     hay = haystack_ids(tokenizer, haystack, n, number)
     at = _nearest_boundary(tokenizer, hay, round(depth / 100 * n))
     ids = head + hay[:at] + needle + hay[at:] + tail
-    first = NEEDLE.format(key=key).index(key)
+    first = text.needle.format(key=key).index(key)
     key_tokens = [len(head) + at + i for i, (s, e) in enumerate(offsets) if s < first + len(key) and e > first]
     return PasskeyPrompt(torch.tensor(ids), key, (len(head) + at, len(head) + at + len(needle)), key_tokens,
                          100 * at / n)

@@ -384,3 +384,30 @@ def test_output_kl_retrieval_prompt_hides_the_code_and_scores_its_tokens():
         code = answer.strip()
         assert len(code) == 7 and code.replace("-", "").isdigit() and text.count(code) == 3
         assert text.endswith("The secret code is" + answer) and tok.decode(seq[:pos[0] + 1]).endswith("code is")
+
+
+def test_prompt_ablation_scores_the_key_as_generation_does():
+    """``prompt_ablation.key_scores`` (the key teacher-forced in one forward pass) gives full attention's log-
+    probabilities of the library's ``answer_key`` (prefill, then decode steps on the KV cache) and the first token's
+    margin over the best other token; every variant's prompt keeps the haystack and changes its words."""
+    import torch
+
+    from benchmarks.prompt_ablation import DASHED, VARIANTS, key_scores
+    from focus_flex.models import load_model
+    from focus_flex.passkey import PromptText, answer_key, build_prompt
+
+    model, tok = load_model()
+    p = build_prompt(tok, 300, 30, "58213", "filler")
+    first, rest, margin = key_scores(model, tok, p.input_ids, "58213")
+    _, logprobs = answer_key(model, tok, p.input_ids, "58213")
+    assert abs(first - logprobs[0]) < 1e-3 and abs(rest - sum(logprobs[1:])) < 1e-3
+    with torch.no_grad():
+        logits = model(p.input_ids[None]).logits[0, -1]
+    space = tok(" 58213", add_special_tokens=False).input_ids[0]
+    assert abs(margin - (logits[space] - logits[torch.arange(len(logits)) != space].max()).item()) < 1e-3
+    texts = {name: make(PromptText()) for name, make in VARIANTS.items()}
+    assert texts["passkey"] == PromptText() and set(DASHED) <= set(VARIANTS)
+    for name, text in texts.items():
+        if name not in ("passkey", "key format"):
+            assert text != PromptText(), name
+            assert tok.decode(build_prompt(tok, 300, 30, "58213", "filler", text=text).input_ids).count("58213") >= 1

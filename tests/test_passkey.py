@@ -76,6 +76,27 @@ def test_prompt_has_the_length_and_puts_the_key_at_the_depth(smollm2, haystack):
                                                                                      number=3).input_ids))
 
 
+def test_prompt_takes_other_words_around_the_same_haystack(smollm2):
+    """``build_prompt(text=PromptText(...))``: another instruction, needle, question and started answer around the
+    same haystack excerpt, still exactly ``length`` tokens with the key where the needle says; a needle without
+    ``{key}`` is refused."""
+    _, tok = smollm2
+    text = P.PromptText(instruction="Read this.\n\n", needle=" (The code is {key}.)", question="\n\nThe code?",
+                        answer_prefix="The code is")
+    p = P.build_prompt(tok, 700, 40, "2-9-1-4", "prose", number=2, text=text)
+    base = P.build_prompt(tok, 700, 40, "71432", "prose", number=2)
+    assert p.input_ids.shape == (700,)
+    assert tok.decode(p.input_ids[p.key_tokens]).strip() == "2-9-1-4"
+    assert tok.decode(p.input_ids[p.needle[0]:p.needle[1]]) == " (The code is 2-9-1-4.)"
+    decoded = tok.decode(p.input_ids)
+    assert "user\nRead this.\n\n" in decoded and decoded.endswith("The code?<|im_end|>\n<|im_start|>assistant\n"
+                                                                     "The code is")
+    hay = tok.decode(base.input_ids[base.needle[1]:base.needle[1] + 40])  # the passkey's haystack goes on after it
+    assert hay in decoded and "pass key" not in decoded
+    with pytest.raises(ValueError, match="no '{key}'"):
+        P.build_prompt(tok, 700, 40, "71432", "prose", text=P.PromptText(needle=" The code is secret."))
+
+
 @pytest.mark.slow
 def test_full_attention_retrieves_and_a_blind_window_does_not(smollm2):
     """Real SmolLM2 at 512 tokens: full attention reads the key back; a window that cannot see the needle fails."""
