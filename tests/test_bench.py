@@ -388,18 +388,22 @@ def test_output_kl_retrieval_prompt_hides_the_code_and_scores_its_tokens():
 
 def test_prompt_ablation_scores_the_key_as_generation_does():
     """``prompt_ablation.key_scores`` (the key teacher-forced in one forward pass) gives full attention's log-
-    probabilities of the library's ``answer_key`` (prefill, then decode steps on the KV cache) and the first token's
-    margin over the best other token; every variant's prompt keeps the haystack and changes its words."""
+    probabilities of the library's ``answer_key`` (prefill, then decode steps on the KV cache), its greedy answer's
+    score, and the first token's margin over the best other token; every variant's prompt keeps the haystack and
+    changes its words."""
     import torch
 
     from benchmarks.prompt_ablation import DASHED, VARIANTS, key_scores
     from focus_flex.models import load_model
-    from focus_flex.passkey import PromptText, answer_key, build_prompt
+    from focus_flex.passkey import PromptText, answer_key, build_prompt, score
 
     model, tok = load_model()
     p = build_prompt(tok, 300, 30, "58213", "filler")
-    first, rest, margin = key_scores(model, tok, p.input_ids, "58213")
-    _, logprobs = answer_key(model, tok, p.input_ids, "58213")
+    first, rest, margin, greedy = key_scores(model, tok, p.input_ids, "58213")
+    answer, logprobs = answer_key(model, tok, p.input_ids, "58213")
+    assert greedy == score(answer, "58213")
+    wrong = key_scores(model, tok, p.input_ids, "58214")
+    assert wrong[3] is False and wrong[1] < rest
     assert abs(first - logprobs[0]) < 1e-3 and abs(rest - sum(logprobs[1:])) < 1e-3
     with torch.no_grad():
         logits = model(p.input_ids[None]).logits[0, -1]
