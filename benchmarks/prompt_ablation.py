@@ -35,19 +35,19 @@ from focus_flex.evaluate import matching_window, window_density, window_only
 from focus_flex.models import load_model
 from focus_flex.passkey import PromptText, build_prompt, make_key
 
+PASSKEY = PromptText()
+INSTRUCTION = RETRIEVAL_TEXT.instruction + "\n\n"  # the passkey's instruction ends in a blank line before the haystack
 VARIANTS = {
-    "passkey": lambda t: t,
-    "instruction": lambda t: dataclasses.replace(t, instruction=RETRIEVAL_TEXT.instruction + "\n\n"),
-    "wording": lambda t: dataclasses.replace(t, needle=RETRIEVAL_TEXT.needle, question=RETRIEVAL_TEXT.question,
-                                             answer_prefix=RETRIEVAL_TEXT.answer_prefix),
-    "needle form": lambda t: dataclasses.replace(t, needle=" (A note for the reader: the pass key is {key}. "
-                                                             "Do not forget {key}.)"),
-    "naming": lambda t: dataclasses.replace(t, needle=t.needle.replace("pass key", "secret code"),
-                                            question=t.question.replace("pass key", "secret code"),
-                                            answer_prefix=t.answer_prefix.replace("pass key", "secret code")),
-    "needle once": lambda t: dataclasses.replace(t, needle=" The pass key is {key}."),
-    "key format": lambda t: t,
-    "all": lambda t: dataclasses.replace(RETRIEVAL_TEXT, instruction=RETRIEVAL_TEXT.instruction + "\n\n"),
+    "passkey": PASSKEY,
+    "instruction": dataclasses.replace(PASSKEY, instruction=INSTRUCTION),
+    "wording": dataclasses.replace(PASSKEY, needle=RETRIEVAL_TEXT.needle, question=RETRIEVAL_TEXT.question,
+                                   answer_prefix=RETRIEVAL_TEXT.answer_prefix),
+    "needle form": dataclasses.replace(PASSKEY, needle=" (A note for the reader: the pass key is {key}. "
+                                                       "Do not forget {key}.)"),
+    "naming": PromptText(*(part.replace("pass key", "secret code") for part in dataclasses.astuple(PASSKEY))),
+    "needle once": dataclasses.replace(PASSKEY, needle=" The pass key is {key}."),
+    "key format": PASSKEY,
+    "all": dataclasses.replace(RETRIEVAL_TEXT, instruction=INSTRUCTION),
 }
 DASHED = ("key format", "all")
 
@@ -84,26 +84,25 @@ def main() -> None:
     print(" | ".join(f"{k}: {v}" for k, v in machine_info().items()))
     model, tok = load_model()
     adapter = FocusAdapter.from_pretrained(args.adapter)
-    adapter.config.window = args.window or adapter.config.window
-    cells = [(d, k) for d in args.depths for k in range(args.keys_per_cell)]
     cfg = adapter.config
+    cfg.window = args.window or cfg.window
+    cells = [(d, k) for d in args.depths for k in range(args.keys_per_cell)]
     modes = ["full", "focus"] + (["window"] if args.density else [])
     if args.density:
         window = matching_window(args.length, cfg.sink_tokens, args.density, cfg.tail(args.length))
         print(f"window-only: window {window} + {cfg.sink_tokens} sinks + dense tail {cfg.tail(args.length)}, "
               f"{window_density(args.length, window, cfg.sink_tokens, cfg.tail(args.length)):.1%} of the pairs")
-    print(f"{args.adapter} (window {adapter.config.window}), {args.haystack} {args.length}, {len(cells)} prompts\n")
+    print(f"{args.adapter} (window {cfg.window}), {args.haystack} {args.length}, {len(cells)} prompts\n")
     head = [f"{m}: first; rest (first wins)" for m in modes] + ["gap first", "gap margin"]
     head += [f"keys of full's: {m}" for m in modes[1:]]
     print("| variant | " + " | ".join(head) + " |\n" + "|---" * (len(head) + 1) + "|")
     for name in tqdm(args.variants, desc="variants"):
-        text = VARIANTS[name](PromptText())
         rows: dict[str, list[tuple[float, float, float, bool]]] = {m: [] for m in modes}
         for depth, number in cells:
             key = make_key(args.haystack, args.length, depth, number, args.seed)
             if name in DASHED:
                 key = "-".join(key[:4])
-            ids = build_prompt(tok, args.length, depth, key, args.haystack, number, text).input_ids
+            ids = build_prompt(tok, args.length, depth, key, args.haystack, number, VARIANTS[name]).input_ids
             rows["full"].append(key_scores(model, tok, ids, key))
             adapter.attach(model)
             rows["focus"].append(key_scores(model, tok, ids, key))
@@ -117,6 +116,7 @@ def main() -> None:
         cols += [f"{sum(f[3] and g[3] for f, g in zip(rows['full'], rows[m], strict=True))} of "
                  f"{sum(f[3] for f in rows['full'])}" for m in modes[1:]]
         print(f"| {name} | " + " | ".join(cols) + " |", flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -409,9 +409,8 @@ def test_prompt_ablation_scores_the_key_as_generation_does():
         logits = model(p.input_ids[None]).logits[0, -1]
     space = tok(" 58213", add_special_tokens=False).input_ids[0]
     assert abs(margin - (logits[space] - logits[torch.arange(len(logits)) != space].max()).item()) < 1e-3
-    texts = {name: make(PromptText()) for name, make in VARIANTS.items()}
-    assert texts["passkey"] == PromptText() and set(DASHED) <= set(VARIANTS)
-    for name, text in texts.items():
+    assert VARIANTS["passkey"] == PromptText() and set(DASHED) <= set(VARIANTS)
+    for name, text in VARIANTS.items():
         if name not in ("passkey", "key format"):
             assert text != PromptText(), name
             assert tok.decode(build_prompt(tok, 300, 30, "58213", "filler", text=text).input_ids).count("58213") >= 1
