@@ -33,7 +33,7 @@ from benchmarks.output_kl import RETRIEVAL_TEXT
 from focus_flex import FocusAdapter
 from focus_flex.evaluate import matching_window, window_density, window_only
 from focus_flex.models import load_model
-from focus_flex.passkey import PromptText, build_prompt, make_key
+from focus_flex.passkey import PHRASINGS, PromptText, build_prompt, make_key
 
 PASSKEY = PromptText()
 INSTRUCTION = RETRIEVAL_TEXT.instruction + "\n\n"  # the passkey's instruction ends in a blank line before the haystack
@@ -48,6 +48,7 @@ VARIANTS = {
     "needle once": dataclasses.replace(PASSKEY, needle=" The pass key is {key}."),
     "key format": PASSKEY,
     "all": dataclasses.replace(RETRIEVAL_TEXT, instruction=INSTRUCTION),
+    "ruler": PHRASINGS["ruler"],
 }
 DASHED = ("key format", "all")
 

@@ -24,7 +24,7 @@ import torch
 
 from focus_flex.config import FocusConfig
 from focus_flex.evaluate import MODES, PLOT_PNG, RESULTS_JSON, RESULTS_MD, check_modes, results_markdown, save_results
-from focus_flex.passkey import DEFAULT_DEPTHS, DEFAULT_LENGTHS, HAYSTACKS, PASSKEY_MODES
+from focus_flex.passkey import DEFAULT_DEPTHS, DEFAULT_LENGTHS, HAYSTACKS, PASSKEY_MODES, PHRASINGS
 from focus_flex.train import TrainConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -414,7 +414,8 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
                                    _device(args.device))
     try:
         adapter.check_compatible(model)
-        check_passkey_args(model, args.lengths, args.depths, args.keys_per_cell, args.haystacks, args.modes)
+        check_passkey_args(model, args.lengths, args.depths, args.keys_per_cell, args.haystacks, args.modes,
+                           args.phrasings)
     except ValueError as e:
         raise CliError(str(e).replace("length ", "--lengths ", 1)) from e
     out = _eval_output_dir(args)
@@ -423,11 +424,12 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
     modes = [m for m in args.modes if not (results and m == "full")]
     if modes:
         results += passkey_eval(model, tokenizer, adapter, args.lengths, args.depths, args.keys_per_cell,
-                                args.haystacks, modes, seed=args.seed, progress=not args.no_progress)
+                                args.haystacks, modes, args.phrasings, seed=args.seed, progress=not args.no_progress)
     meta = {"command": command, "adapter": args.adapter, "focus_config": adapter.config.to_dict(),
             "cpu": _cpu_name()}
-    paths = save_passkey(out, results, meta, passkey_protocol(args.dtype, adapter.config.dense_decode,
-                                                              adapter.config.dense_tail, adapter.config.dense_heads))
+    protocol = passkey_protocol(args.dtype, adapter.config.dense_decode, adapter.config.dense_tail,
+                                adapter.config.dense_heads, args.phrasings)
+    paths = save_passkey(out, results, meta, protocol)
     # The evaluated copy of the adapter: its card shows the retrieval table and heatmaps next to its perplexity.
     extra = adapter.config.extra
     made = extra.setdefault("trained_with", extra.get("command"))
@@ -447,17 +449,17 @@ def _reused_full(args: argparse.Namespace) -> list:
     from focus_flex.passkey import load_passkey, make_key
 
     try:
-        earlier = {(r.haystack, r.length, r.depth, r.key_number): r for r in load_passkey(args.full_results)
-                   if r.mode == "full"}
+        earlier = {(r.haystack, r.length, r.depth, r.key_number, r.phrasing): r
+                   for r in load_passkey(args.full_results) if r.mode == "full"}
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise CliError(f"--full-results {args.full_results!r}: not a readable passkey.json ({e})") from e
-    cells = [(h, n, d, k) for h in args.haystacks for n in args.lengths for d in args.depths
-             for k in range(args.keys_per_cell)]
-    missing = [c for c in cells if c not in earlier or earlier[c].key != make_key(*c, seed=args.seed)]
+    cells = [(h, n, d, k, p) for h in args.haystacks for n in args.lengths for d in args.depths
+             for k in range(args.keys_per_cell) for p in args.phrasings]
+    missing = [c for c in cells if c not in earlier or earlier[c].key != make_key(*c[:4], seed=args.seed)]
     if missing:
         raise CliError(f"--full-results {args.full_results!r} has no full-attention result for {len(missing)} of the "
-                       f"{len(cells)} prompts asked for (e.g. haystack, length, depth, key number = {missing[0]}, "
-                       f"--seed {args.seed}); run full attention for them (drop --full-results)")
+                       f"{len(cells)} prompts asked for (e.g. haystack, length, depth, key number, phrasing = "
+                       f"{missing[0]}, --seed {args.seed}); run full attention for them (drop --full-results)")
     return [earlier[c] for c in cells]
 
 
@@ -583,6 +585,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="needle depths (%% of the haystack)")
     pk.add_argument("--keys-per-cell", type=int, default=2, help="keys per (haystack, length, depth)")
     pk.add_argument("--haystacks", nargs="+", choices=list(HAYSTACKS), default=list(HAYSTACKS))
+    pk.add_argument("--phrasings", nargs="+", choices=list(PHRASINGS), default=list(PHRASINGS),
+                    help="words around the haystack: the passkey's, RULER's needle-in-a-haystack")
     pk.add_argument("--seed", type=int, default=0, help="seed of the keys")
     pk.add_argument("--full-results", metavar="PASSKEY_JSON", default=None,
                     help="reuse the full-attention results of an earlier run (its passkey.json, same prompts) "

@@ -3,8 +3,11 @@
 Protocol (Mohtashami & Jaggi, 2023, adapted to an instruct model; docs/passkey.md has the reasoning):
 
 * **Key.** Five random digits ``10000-99999`` (``random.Random`` seeded by haystack, length, depth and key number, so
-  every mode sees the same keys and prompts).
-* **Needle.** ``" The pass key is 71432. Remember it. 71432 is the pass key."`` inserted into the haystack.
+  every mode and phrasing sees the same keys).
+* **Phrasings** (:data:`PHRASINGS`: instruction, needle, question and started answer). ``passkey``: the needle
+  ``" The pass key is 71432. Remember it. 71432 is the pass key."``; ``ruler``: RULER's single-needle wording
+  (Hsieh et al., 2024), ``" One of the special magic numbers for quiet-harbor is: 71432."``. Both phrasings of a
+  cell hide the same key at the same place of the same haystack.
 * **Haystacks.** ``filler``: the classic ``"The grass is green. The sky is blue. ..."`` repeated; ``prose``: a
   contiguous excerpt of the held-out books of the shipped corpus (split ``eval``, never used in training), a
   different excerpt for every key.
@@ -21,7 +24,7 @@ Protocol (Mohtashami & Jaggi, 2023, adapted to an instruct model; docs/passkey.m
   and another answer does not flip.
 * **Modes.** ``full``: the model's own attention. ``focus``: the adapter attached, hard routing (inference path,
   prefill and decode). ``window``: window + sinks only, the window set so that its density over ``length`` tokens
-  matches ``focus``'s density measured on the prefills of the same haystack and length
+  matches ``focus``'s density measured on the prefills of the same haystack and length (both phrasings)
   (:func:`focus_flex.evaluate.matching_window`); with the adapter's ``dense_decode``, window-only's decode steps
   attend every earlier token too, and with its ``dense_tail`` the last queries of its prefill.
 """
@@ -70,6 +73,20 @@ class PromptText:
     answer_prefix: str = ANSWER_PREFIX
 
 
+RULER_NAME = "quiet-harbor"  # RULER draws an adjective-noun word per sample; one fixed word here
+PHRASINGS = {
+    "passkey": PromptText(),  # Mohtashami & Jaggi (2023)
+    # RULER's single-needle NIAH (Hsieh et al., 2024) with the passkey's 5-digit key; its started answer goes on as
+    # SmolLM2 with full attention goes on (":\n\n- 71432", a list item), so the first generated tokens are the key
+    "ruler": PromptText(
+        instruction="Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+                    "I will quiz you about the numbers afterwards.\n",
+        needle=f" One of the special magic numbers for {RULER_NAME} is: {{key}}.",
+        question=f"\nWhat are all the special magic numbers for {RULER_NAME} mentioned in the provided text?",
+        answer_prefix=f"The special magic numbers for {RULER_NAME} mentioned in the provided text is:\n\n-"),
+}
+
+
 @dataclass
 class PasskeyPrompt:
     """One prompt: ``input_ids [length]``, the key, and where the needle and the key's digits are (token indices)."""
@@ -98,6 +115,7 @@ class PasskeyResult:
     seconds: float
     key_logprob: float | None = None  # log p(" " + key | prompt), nats (None: not measured, results of older runs)
     first_logprob: float | None = None  # the part of key_logprob on the key's first token (SmolLM2: the space)
+    phrasing: str = "passkey"  # a key of PHRASINGS (results of older runs: the passkey's)
 
 
 # ---- prompts -------------------------------------------------------------------------------------
@@ -267,7 +285,8 @@ class PrefillMeter(RoutingMeter):
 
 def check_passkey_args(model: nn.Module, lengths: list[int] | tuple[int, ...], depths: list[int] | tuple[int, ...],
                        keys_per_cell: int, haystacks: list[str] | tuple[str, ...],
-                       modes: list[str] | tuple[str, ...]) -> None:
+                       modes: list[str] | tuple[str, ...], phrasings: list[str] | tuple[str, ...] = ("passkey",)
+                       ) -> None:
     """Raise ``ValueError`` with the reason for any input :func:`passkey_eval` cannot run."""
     limit = max_context(model)
     for length in lengths:
@@ -279,9 +298,10 @@ def check_passkey_args(model: nn.Module, lengths: list[int] | tuple[int, ...], d
             raise ValueError(f"depth {depth} is outside 0-100 (% of the haystack)")
     if keys_per_cell < 1:
         raise ValueError(f"keys_per_cell {keys_per_cell}: must be >= 1")
-    if not lengths or not depths or not haystacks or not modes:
-        raise ValueError("lengths, depths, haystacks and modes each need at least one value")
-    for name, given, known in (("haystack", haystacks, HAYSTACKS), ("mode", modes, PASSKEY_MODES)):
+    if not lengths or not depths or not haystacks or not modes or not phrasings:
+        raise ValueError("lengths, depths, haystacks, modes and phrasings each need at least one value")
+    for name, given, known in (("haystack", haystacks, HAYSTACKS), ("mode", modes, PASSKEY_MODES),
+                               ("phrasing", phrasings, tuple(PHRASINGS))):
         unknown = sorted(set(given) - set(known))
         if unknown:
             raise ValueError(f"{name} {unknown} unknown: choose from {known}")
@@ -293,21 +313,24 @@ def passkey_eval(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None,
                  lengths: list[int] | tuple[int, ...] = DEFAULT_LENGTHS,
                  depths: list[int] | tuple[int, ...] = DEFAULT_DEPTHS, keys_per_cell: int = 2,
                  haystacks: list[str] | tuple[str, ...] = HAYSTACKS,
-                 modes: list[str] | tuple[str, ...] = PASSKEY_MODES, *, seed: int = 0,
+                 modes: list[str] | tuple[str, ...] = PASSKEY_MODES,
+                 phrasings: list[str] | tuple[str, ...] = tuple(PHRASINGS), *, seed: int = 0,
                  progress: bool = True) -> list[PasskeyResult]:
-    """Passkey retrieval of every (mode, haystack, length, depth, key) (module docstring for the protocol).
+    """Passkey retrieval of every (mode, haystack, phrasing, length, depth, key) (module docstring for the protocol).
 
     ``adapter`` (needed for ``focus`` and ``window``) must not be attached; it is attached for ``focus`` only.
     """
-    check_passkey_args(model, lengths, depths, keys_per_cell, haystacks, modes)
+    check_passkey_args(model, lengths, depths, keys_per_cell, haystacks, modes, phrasings)
     if ("focus" in modes) and adapter is None:
         raise ValueError("mode focus needs an adapter")
     if has_focus(model):
         raise RuntimeError("A Focus adapter is attached to this model, so 'full' would not be the model's own "
                            "attention: detach it before passkey_eval() (which attaches the adapter itself).")
     modes = [m for m in PASSKEY_MODES if m in modes]
-    cells = [(h, n, d, k) for h in haystacks for n in lengths for d in depths for k in range(keys_per_cell)]
-    prompts = {c: build_prompt(tokenizer, c[1], c[2], make_key(*c, seed=seed), c[0], c[3]) for c in cells}
+    cells = [(h, n, d, k, p) for h in haystacks for n in lengths for d in depths for k in range(keys_per_cell)
+             for p in phrasings]
+    prompts = {c: build_prompt(tokenizer, c[1], c[2], make_key(*c[:4], seed=seed), c[0], c[3], PHRASINGS[c[4]])
+               for c in cells}
     results: list[PasskeyResult] = []
     was_training, old_mode = model.training, adapter.mode if adapter is not None else None
     model.eval()
@@ -316,12 +339,10 @@ def passkey_eval(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None,
         for haystack in haystacks:
             for length in lengths:
                 group = [c for c in cells if c[:2] == (haystack, length)]
-                densities: list[float] = []
-                for mode in modes:
+                for mode in modes:  # focus before window: window-only's window matches focus's density
                     for cell in group:
-                        bar.set_postfix_str(f"{mode} {haystack} {length} {cell[2]}%")
-                        densities.append(_run(model, tokenizer, adapter, mode, cell, prompts[cell], densities,
-                                              results))
+                        bar.set_postfix_str(f"{mode} {haystack} {cell[4]} {length} {cell[2]}%")
+                        _run(model, tokenizer, adapter, mode, cell, prompts[cell], results)
                         bar.update()
     finally:
         bar.close()
@@ -331,10 +352,10 @@ def passkey_eval(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None,
     return results
 
 
-def _run(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None, mode: str, cell: tuple[str, int, int, int],
-         prompt: PasskeyPrompt, focus_densities: list[float], results: list[PasskeyResult]) -> float:
-    """One prompt in one mode, appended to ``results``; returns the density (``focus``'s feed the window)."""
-    haystack, length, depth, number = cell
+def _run(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None, mode: str,
+         cell: tuple[str, int, int, int, str], prompt: PasskeyPrompt, results: list[PasskeyResult]) -> None:
+    """One prompt in one mode, appended to ``results`` (window-only's window matches the focus results')."""
+    haystack, length, depth, number, phrasing = cell
     t0 = time.perf_counter()
     if mode == "full":
         (answer, logprobs), density = answer_key(model, tokenizer, prompt.input_ids, prompt.key), 1.0
@@ -360,8 +381,7 @@ def _run(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None, mode: s
         density = window_density(length, w, cfg.sink_tokens, tail)
     results.append(PasskeyResult(mode, haystack, length, depth, number, prompt.key, answer,
                                  score(answer, prompt.key), prompt.depth, density, time.perf_counter() - t0,
-                                 sum(logprobs), logprobs[0]))
-    return density
+                                 sum(logprobs), logprobs[0], phrasing))
 
 
 # ---- analysis: which heads read the key, and what Focus keeps of them ------------------------------
@@ -444,9 +464,9 @@ def _mean_logprob(results: list[PasskeyResult]) -> str:
     return f"{total:.2f} ({first:.2f}; {total - first:.2f})"
 
 
-def prompt_id(r: PasskeyResult) -> tuple[str, int, int, int, str]:
+def prompt_id(r: PasskeyResult) -> tuple[str, str, int, int, int, str]:
     """Which prompt a result answers: every mode of one run (or of runs with the same seed) answers the same ones."""
-    return r.haystack, r.length, r.depth, r.key_number, r.key
+    return r.haystack, r.phrasing, r.length, r.depth, r.key_number, r.key
 
 
 def retained(results: list[PasskeyResult], mode: str) -> list[PasskeyResult]:
@@ -461,17 +481,23 @@ def load_passkey(path: str | os.PathLike) -> list[PasskeyResult]:
         return [PasskeyResult(**r) for r in json.load(f)["results"]]
 
 
+def _sections(results: list[PasskeyResult]) -> list[tuple[str, str]]:
+    """The (haystack, phrasing) pairs of ``results``, in order of appearance: one table or heatmap panel each."""
+    return list(dict.fromkeys((r.haystack, r.phrasing) for r in results))
+
+
 def passkey_markdown(results: list[PasskeyResult], protocol: str = "") -> str:
-    """Markdown tables: correct/total per mode and length for each haystack, the key's mean log-probability, then
-    correct/total per depth; with full attention's results, each other mode's share of the keys full attention
-    retrieves."""
+    """Markdown tables for each haystack and phrasing: correct/total per mode and length, the key's mean
+    log-probability, then correct/total per depth; with full attention's results, each other mode's share of the
+    keys full attention retrieves."""
     modes = list(dict.fromkeys(r.mode for r in results))
     lines = []
-    for haystack in dict.fromkeys(r.haystack for r in results):
-        rows = [r for r in results if r.haystack == haystack]
+    for haystack, phrasing in _sections(results):
+        rows = [r for r in results if (r.haystack, r.phrasing) == (haystack, phrasing)]
         lengths = sorted({r.length for r in rows})
         depths = sorted({r.depth for r in rows})
-        lines += [f"**Haystack `{haystack}`**: keys retrieved (correct/total) and density (% of causal pairs)", "",
+        lines += [f"**Haystack `{haystack}`, phrasing `{phrasing}`**: keys retrieved (correct/total) and density "
+                  "(% of causal pairs)", "",
                   "| mode | " + " | ".join(f"{n} tokens" for n in lengths) + " | all | density |",
                   "|---" * (len(lengths) + 3) + "|"]
         for mode in modes:
@@ -508,17 +534,18 @@ def passkey_markdown(results: list[PasskeyResult], protocol: str = "") -> str:
 
 
 def plot_passkey(results: list[PasskeyResult], mode: str, path: str) -> str:
-    """PNG heatmap of one mode: fraction of keys retrieved per depth (rows) and length (columns), per haystack."""
+    """PNG heatmap of one mode: fraction of keys retrieved per depth (rows) and length (columns), one panel per
+    haystack and phrasing."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    haystacks = list(dict.fromkeys(r.haystack for r in results))
-    fig, axes = plt.subplots(1, len(haystacks), figsize=(3.2 * len(haystacks) + 1, 3.4), dpi=120, squeeze=False,
+    sections = _sections(results)
+    fig, axes = plt.subplots(1, len(sections), figsize=(3.2 * len(sections) + 1, 3.4), dpi=120, squeeze=False,
                              layout="constrained")
-    for ax, haystack in zip(axes[0], haystacks, strict=True):
-        rows = [r for r in results if r.mode == mode and r.haystack == haystack]
+    for ax, (haystack, phrasing) in zip(axes[0], sections, strict=True):
+        rows = [r for r in results if r.mode == mode and (r.haystack, r.phrasing) == (haystack, phrasing)]
         lengths, depths = sorted({r.length for r in rows}), sorted({r.depth for r in rows})
         grid = torch.full((len(depths), len(lengths)), float("nan"))
         for i, d in enumerate(depths):
@@ -533,7 +560,7 @@ def plot_passkey(results: list[PasskeyResult], mode: str, path: str) -> str:
         ax.set_xlabel("context length (tokens)")
         if ax is axes[0][0]:
             ax.set_ylabel("needle depth")
-        ax.set_title(f"{mode}, {haystack}", fontsize=9)
+        ax.set_title(f"{mode}, {haystack}, {phrasing}", fontsize=9)
     fig.colorbar(image, ax=axes[0].tolist(), fraction=0.05, label="keys retrieved")
     fig.savefig(path)
     plt.close(fig)
@@ -556,9 +583,10 @@ def save_passkey(directory: str, results: list[PasskeyResult], meta: dict[str, A
 
 
 def passkey_protocol(dtype: str, dense_decode: bool = False, dense_tail: int = 0,
-                     dense_heads: list[list[int]] | None = None) -> str:
+                     dense_heads: list[list[int]] | None = None,
+                     phrasings: list[str] | tuple[str, ...] = tuple(PHRASINGS)) -> str:
     """One paragraph describing the protocol, for the reports (``dense_decode``, ``dense_tail``, ``dense_heads``: the
-    adapter's)."""
+    adapter's; ``phrasings``: those evaluated)."""
     decode = (" Generation steps attend every token in both (`dense_decode`); the density counts the prefill."
               if dense_decode else "")
     if dense_tail:
@@ -568,8 +596,10 @@ def passkey_protocol(dtype: str, dense_decode: bool = False, dense_tail: int = 0
         decode += (" In focus, the query heads of KV heads " + ", ".join(f"{a}.{b}" for a, b in dense_heads)
                    + " (layer.KV head) attend every token (`dense_heads`), counted in the density; window-only has "
                    "none, its window matches the total.")
-    return ("Passkey retrieval: a 5-digit key in the needle \"" + NEEDLE.format(key="NNNNN").strip() + "\" at the "
-            "given depth of the haystack (`filler`: \"" + FILLER + "\" repeated; `prose`: excerpts of the shipped "
-            "held-out books), the whole prompt in the model's chat template with the answer started as \""
-            + ANSWER_PREFIX + "\"; correct iff greedy decoding's first number is the key; " + dtype + ". Window-only: "
+    words = "; ".join(f"`{name}`: needle \"{text.needle.format(key='NNNNN').strip()}\", answer started as "
+                      f"\"{text.answer_prefix}\"" for name, text in PHRASINGS.items() if name in phrasings)
+    return ("Passkey retrieval: a 5-digit key in a needle at the given depth of the haystack (`filler`: \"" + FILLER
+            + "\" repeated; `prose`: excerpts of the shipped held-out books), asked for at the end, the whole prompt "
+            "in the model's chat template with the answer started; phrasings (" + words + "); correct iff greedy "
+            "decoding's first number is the key; " + dtype + ". Window-only: "
             "window + sinks at focus's density measured on the same prompts." + decode)

@@ -48,7 +48,9 @@ def test_bad_arguments_raise_clear_errors():
     for change, match in [({"lengths": [1024]}, "context of 512"), ({"depths": [101]}, "outside 0-100"),
                           ({"depths": [-5]}, "outside 0-100"), ({"keys_per_cell": 0}, ">= 1"),
                           ({"haystacks": ["lorem"]}, "unknown"), ({"modes": ["soft"]}, "unknown"),
-                          ({"modes": ["full", "window"]}, "needs focus"), ({"depths": []}, "at least one")]:
+                          ({"modes": ["full", "window"]}, "needs focus"), ({"depths": []}, "at least one"),
+                          ({"phrasings": ["haiku"]}, "phrasing \\['haiku'\\] unknown"),
+                          ({"phrasings": []}, "at least one")]:
         with pytest.raises(ValueError, match=match):
             P.check_passkey_args(model, **{**ok, **change})
     with pytest.raises(ValueError, match="needs an adapter"):
@@ -95,6 +97,23 @@ def test_prompt_takes_other_words_around_the_same_haystack(smollm2):
     assert hay in decoded and "pass key" not in decoded
     with pytest.raises(ValueError, match="no '{key}'"):
         P.build_prompt(tok, 700, 40, "71432", "prose", text=P.PromptText(needle=" The code is secret."))
+
+
+@pytest.mark.parametrize("haystack", P.HAYSTACKS)
+def test_phrasings_hide_the_same_key_in_the_same_haystack(smollm2, haystack):
+    """RULER's phrasing: its own instruction, needle, question and started answer around the passkey's haystack,
+    with the same key at the same depth."""
+    _, tok = smollm2
+    passkey, ruler = (P.build_prompt(tok, 1024, 30, "71432", haystack, 1, P.PHRASINGS[p]) for p in ("passkey", "ruler"))
+    assert ruler.input_ids.shape == (1024,) and tok.decode(ruler.input_ids[ruler.key_tokens]).strip() == "71432"
+    assert tok.decode(ruler.input_ids[ruler.needle[0]:ruler.needle[1]]) == (
+        " One of the special magic numbers for quiet-harbor is: 71432.")
+    text = tok.decode(ruler.input_ids)
+    assert "user\nSome special magic numbers are hidden within the following text." in text and "pass key" not in text
+    assert text.endswith("mentioned in the provided text?<|im_end|>\n<|im_start|>assistant\nThe special magic numbers "
+                         "for quiet-harbor mentioned in the provided text is:\n\n-")
+    after = tok.decode(passkey.input_ids[passkey.needle[1]:passkey.needle[1] + 30])  # the haystack after the needle
+    assert after in text and abs(ruler.depth - passkey.depth) < 1
 
 
 @pytest.mark.slow
@@ -165,7 +184,8 @@ def test_eval_task_passkey_writes_table_json_and_heatmaps(tmp_path, capsys):
                  "--output-dir", str(out), "--no-progress"]) == 0
     data = json.loads((out / P.PASSKEY_JSON).read_text())
     rows = data["results"]
-    assert {(r["mode"], r["haystack"]) for r in rows} == {(m, h) for m in P.PASSKEY_MODES for h in P.HAYSTACKS}
+    assert {(r["mode"], r["haystack"], r["phrasing"]) for r in rows} == {
+        (m, h, p) for m in P.PASSKEY_MODES for h in P.HAYSTACKS for p in P.PHRASINGS}
     assert {r["length"] for r in rows} == {384} and all(len(r["key"]) == 5 for r in rows)
     assert all(r["correct"] == P.score(r["answer"], r["key"]) for r in rows)
     full = [r for r in rows if r["mode"] == "full"]
@@ -175,11 +195,12 @@ def test_eval_task_passkey_writes_table_json_and_heatmaps(tmp_path, capsys):
     for h in P.HAYSTACKS:
         assert 0 < focus[h] < 1 and window[h] >= focus[h]  # the window is matched to focus's measured density
     table = (out / P.PASSKEY_MD).read_text()
-    assert "| full | 1/1 | 1/1 |" in table and "Haystack `prose`" in table
+    assert table.count("| full | 1/1 | 1/1 |") == 4 and "Haystack `prose`, phrasing `ruler`" in table
     assert all(r["key_logprob"] < r["first_logprob"] < 0 for r in rows) and "Mean log-probability of the key" in table
     for h in P.HAYSTACKS:  # the key is likelier where it was retrieved than where the window could not see it
-        lp = {r["mode"]: r["key_logprob"] for r in rows if r["haystack"] == h}
-        assert lp["full"] > lp["window"], lp
+        for p in P.PHRASINGS:
+            lp = {r["mode"]: r["key_logprob"] for r in rows if (r["haystack"], r["phrasing"]) == (h, p)}
+            assert lp["full"] > lp["window"], (h, p, lp)
     for mode in P.PASSKEY_MODES:
         assert (out / f"passkey_{mode}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert data["focus_config"]["num_groups"] == FocusAdapter.from_pretrained(ADAPTER).config.num_groups
@@ -193,10 +214,12 @@ def test_eval_task_passkey_writes_table_json_and_heatmaps(tmp_path, capsys):
     # with --dense-decode and --dense-tail the saved copy and the report say so
     again = tmp_path / "pk2"
     argv = ["eval", ADAPTER, "--task", "passkey", "--lengths", "384", "--depths", "30", "--keys-per-cell", "1",
-            "--modes", "full", "focus", "--full-results", str(out / P.PASSKEY_JSON), "--no-progress"]
+            "--modes", "full", "focus", "--phrasings", "ruler", "--full-results", str(out / P.PASSKEY_JSON),
+            "--no-progress"]
     assert main([*argv, "--dense-decode", "--dense-tail", "20", "--output-dir", str(again)]) == 0
     rows2 = json.loads((again / P.PASSKEY_JSON).read_text())["results"]
-    assert [r for r in rows2 if r["mode"] == "full"] == full
+    assert [r for r in rows2 if r["mode"] == "full"] == [r for r in full if r["phrasing"] == "ruler"]
+    assert {r["phrasing"] for r in rows2} == {"ruler"}
     assert "Of the keys full attention retrieves" in (again / P.PASSKEY_MD).read_text()
     assert "Generation steps attend every token" in (again / P.PASSKEY_MD).read_text()
     assert "The last 20 tokens of the prompt attend every token" in (again / P.PASSKEY_MD).read_text()
@@ -271,4 +294,4 @@ def test_markdown_averages_the_key_logprob_and_older_results_load_without_one():
     assert "| focus | -4.00 (-3.00; -1.00) | -6.00 (-1.00; -5.00) | -5.00 (-2.00; -3.00) |" in table
     card = Path(ADAPTER).parents[0] / "smollm2-135m-instruct-focus-retrieval" / P.PASSKEY_JSON
     old = P.load_passkey(card)  # written before the key's log-probability was measured
-    assert old and all(r.key_logprob is None for r in old)
+    assert old and all(r.key_logprob is None and r.phrasing == "passkey" for r in old)
