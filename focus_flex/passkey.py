@@ -597,7 +597,7 @@ def passkey_protocol(dtype: str, dense_decode: bool = False, dense_tail: int = 0
                    + " (layer.KV head) attend every token (`dense_heads`), counted in the density; window-only has "
                    "none, its window matches the total.")
     words = "; ".join(f"`{name}`: needle \"{text.needle.format(key='NNNNN').strip()}\", answer started as "
-                      f"\"{text.answer_prefix}\"" for name, text in PHRASINGS.items() if name in phrasings)
+                      f"{json.dumps(text.answer_prefix)}" for name, text in PHRASINGS.items() if name in phrasings)
     return ("Passkey retrieval: a 5-digit key in a needle at the given depth of the haystack (`filler`: \"" + FILLER
             + "\" repeated; `prose`: excerpts of the shipped held-out books), asked for at the end, the whole prompt "
             "in the model's chat template with the answer started; phrasings (" + words + "); correct iff greedy "

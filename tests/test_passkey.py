@@ -295,3 +295,10 @@ def test_markdown_averages_the_key_logprob_and_older_results_load_without_one():
     card = Path(ADAPTER).parents[0] / "smollm2-135m-instruct-focus-retrieval" / P.PASSKEY_JSON
     old = P.load_passkey(card)  # written before the key's log-probability was measured
     assert old and all(r.key_logprob is None and r.phrasing == "passkey" for r in old)
+
+
+def test_protocol_names_the_phrasings_evaluated_each_on_one_line():
+    both, ruler = P.passkey_protocol("float32"), P.passkey_protocol("float32", phrasings=["ruler"])
+    assert "\n" not in both and "The pass key is NNNNN." in both and "quiet-harbor is: NNNNN." in both
+    assert 'answer started as "The special magic numbers for quiet-harbor mentioned in the provided text is:\\n\\n-"' \
+        in ruler and "pass key" not in ruler
