@@ -457,9 +457,11 @@ def _reused_full(args: argparse.Namespace) -> list:
              for k in range(args.keys_per_cell) for p in args.phrasings]
     missing = [c for c in cells if c not in earlier or earlier[c].key != make_key(*c[:4], seed=args.seed)]
     if missing:
+        held = sorted({c[4] for c in earlier})
         raise CliError(f"--full-results {args.full_results!r} has no full-attention result for {len(missing)} of the "
                        f"{len(cells)} prompts asked for (e.g. haystack, length, depth, key number, phrasing = "
-                       f"{missing[0]}, --seed {args.seed}); run full attention for them (drop --full-results)")
+                       f"{missing[0]}, --seed {args.seed}); run full attention for them (drop --full-results), or "
+                       f"ask for the phrasings it holds (--phrasings {' '.join(held)})")
     return [earlier[c] for c in cells]
 
 

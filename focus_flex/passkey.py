@@ -285,7 +285,7 @@ class PrefillMeter(RoutingMeter):
 
 def check_passkey_args(model: nn.Module, lengths: list[int] | tuple[int, ...], depths: list[int] | tuple[int, ...],
                        keys_per_cell: int, haystacks: list[str] | tuple[str, ...],
-                       modes: list[str] | tuple[str, ...], phrasings: list[str] | tuple[str, ...] = ("passkey",)
+                       modes: list[str] | tuple[str, ...], phrasings: list[str] | tuple[str, ...] = tuple(PHRASINGS)
                        ) -> None:
     """Raise ``ValueError`` with the reason for any input :func:`passkey_eval` cannot run."""
     limit = max_context(model)

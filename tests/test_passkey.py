@@ -226,7 +226,18 @@ def test_eval_task_passkey_writes_table_json_and_heatmaps(tmp_path, capsys):
     assert FocusAdapter.from_pretrained(str(again)).config.dense_decode
     assert FocusAdapter.from_pretrained(str(again)).config.dense_tail == 20
     assert main([*argv, "--seed", "1", "--output-dir", str(tmp_path / "pk3")]) == 2
-    assert "no full-attention result for 2 of the 2 prompts" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no full-attention result for 2 of the 2 prompts" in err and "(--phrasings passkey ruler)" in err
+
+
+@pytest.mark.slow
+def test_eval_task_passkey_reuses_an_older_run_for_its_phrasing_only(tmp_path, capsys):
+    """Results written before phrasings existed are the passkey's: asking for RULER's too names what the file holds."""
+    older = Path(ADAPTER).parents[0] / "smollm2-135m-instruct-focus-retrieval" / P.PASSKEY_JSON
+    assert main(["eval", ADAPTER, "--task", "passkey", "--lengths", "1024", "--depths", "10", "--keys-per-cell", "1",
+                 "--modes", "full", "focus", "--full-results", str(older), "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no full-attention result for 2 of the 4 prompts" in err and "(--phrasings passkey)" in err
 
 
 @pytest.mark.parametrize("argv,match", [
