@@ -8,9 +8,9 @@ answer together (a needle that names a secret code asked about as a pass key wou
 format (the 5-digit key's first four digits, dashed: ``71432`` becomes ``7-1-4-3``); besides, the needle stated once
 (``The pass key is 71432.``), the needle in the retrieval prompt's form naming the pass key (``needle form``), the
 passkey's sentences naming a secret code (``naming``), every part swapped, and RULER's phrasing of the evaluation
-(``ruler``, ``focus_flex.passkey.PHRASINGS``). The key is appended to the prompt and
-teacher-forced, so one forward pass per prompt scores all its tokens (the key's tokens fall in the dense tail, as a
-generation step with ``dense_decode`` attends every token).
+(``ruler``, ``focus_flex.passkey.PHRASINGS``). The key is appended to the prompt and teacher-forced, so one forward
+pass per prompt scores all its tokens (the key's tokens fall in the dense tail, as a generation step with
+``dense_decode`` attends every token).
 
 Reported per variant, for full attention and the adapter (hard routing, the inference path): the key's mean
 log-probability in nats, split into its first token (for SmolLM2 the space that starts a number) and the rest; how

@@ -446,22 +446,21 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
 
 def _reused_full(args: argparse.Namespace) -> list:
     """The full-attention results of ``--full-results`` for exactly the prompts this run asks for."""
-    from focus_flex.passkey import load_passkey, make_key
+    from focus_flex.passkey import Prompt, load_passkey, prompts_of
 
     try:
-        earlier = {(r.haystack, r.length, r.depth, r.key_number, r.phrasing): r
+        earlier = {Prompt(r.haystack, r.length, r.depth, r.key_number, r.phrasing): r
                    for r in load_passkey(args.full_results) if r.mode == "full"}
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise CliError(f"--full-results {args.full_results!r}: not a readable passkey.json ({e})") from e
-    cells = [(h, n, d, k, p) for h in args.haystacks for n in args.lengths for d in args.depths
-             for k in range(args.keys_per_cell) for p in args.phrasings]
-    missing = [c for c in cells if c not in earlier or earlier[c].key != make_key(*c[:4], seed=args.seed)]
+    cells = prompts_of(args.haystacks, args.lengths, args.depths, args.keys_per_cell, args.phrasings)
+    missing = [c for c in cells if c not in earlier or earlier[c].key != c.key(args.seed)]
     if missing:
-        held = sorted({c[4] for c in earlier})
+        held = sorted({c.phrasing for c in earlier})
         raise CliError(f"--full-results {args.full_results!r} has no full-attention result for {len(missing)} of the "
-                       f"{len(cells)} prompts asked for (e.g. haystack, length, depth, key number, phrasing = "
-                       f"{missing[0]}, --seed {args.seed}); run full attention for them (drop --full-results), or "
-                       f"ask for the phrasings it holds (--phrasings {' '.join(held)})")
+                       f"{len(cells)} prompts asked for (e.g. {missing[0]}, --seed {args.seed}); run full attention "
+                       f"for them (drop --full-results), or ask for the phrasings it holds (--phrasings "
+                       f"{' '.join(held)})")
     return [earlier[c] for c in cells]
 
 

@@ -38,7 +38,7 @@ import random
 import re
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -124,6 +124,28 @@ class PasskeyResult:
 def make_key(haystack: str, length: int, depth: int, number: int, seed: int = 0) -> str:
     """The 5-digit key of one cell and key number (the same in every mode)."""
     return str(random.Random(f"{seed}/{haystack}/{length}/{depth}/{number}").randint(10000, 99999))
+
+
+class Prompt(NamedTuple):
+    """Which prompt of an evaluation: haystack, length, depth (%), key number and phrasing."""
+
+    haystack: str
+    length: int
+    depth: int
+    number: int
+    phrasing: str
+
+    def key(self, seed: int = 0) -> str:
+        """The prompt's key: the same for every mode and phrasing."""
+        return make_key(self.haystack, self.length, self.depth, self.number, seed)
+
+
+def prompts_of(haystacks: list[str] | tuple[str, ...], lengths: list[int] | tuple[int, ...],
+               depths: list[int] | tuple[int, ...], keys_per_cell: int,
+               phrasings: list[str] | tuple[str, ...]) -> list[Prompt]:
+    """Every prompt an evaluation with these arguments asks."""
+    return [Prompt(h, n, d, k, p) for h in haystacks for n in lengths for d in depths for k in range(keys_per_cell)
+            for p in phrasings]
 
 
 def _wrap(tokenizer: Any, answer_prefix: str = ANSWER_PREFIX) -> tuple[str, str]:
@@ -327,9 +349,8 @@ def passkey_eval(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None,
         raise RuntimeError("A Focus adapter is attached to this model, so 'full' would not be the model's own "
                            "attention: detach it before passkey_eval() (which attaches the adapter itself).")
     modes = [m for m in PASSKEY_MODES if m in modes]
-    cells = [(h, n, d, k, p) for h in haystacks for n in lengths for d in depths for k in range(keys_per_cell)
-             for p in phrasings]
-    prompts = {c: build_prompt(tokenizer, c[1], c[2], make_key(*c[:4], seed=seed), c[0], c[3], PHRASINGS[c[4]])
+    cells = prompts_of(haystacks, lengths, depths, keys_per_cell, phrasings)
+    prompts = {c: build_prompt(tokenizer, c.length, c.depth, c.key(seed), c.haystack, c.number, PHRASINGS[c.phrasing])
                for c in cells}
     results: list[PasskeyResult] = []
     was_training, old_mode = model.training, adapter.mode if adapter is not None else None
@@ -338,10 +359,10 @@ def passkey_eval(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None,
     try:
         for haystack in haystacks:
             for length in lengths:
-                group = [c for c in cells if c[:2] == (haystack, length)]
+                group = [c for c in cells if (c.haystack, c.length) == (haystack, length)]
                 for mode in modes:  # focus before window: window-only's window matches focus's density
                     for cell in group:
-                        bar.set_postfix_str(f"{mode} {haystack} {cell[4]} {length} {cell[2]}%")
+                        bar.set_postfix_str(f"{mode} {haystack} {cell.phrasing} {length} {cell.depth}%")
                         _run(model, tokenizer, adapter, mode, cell, prompts[cell], results)
                         bar.update()
     finally:
@@ -353,7 +374,7 @@ def passkey_eval(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None,
 
 
 def _run(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None, mode: str,
-         cell: tuple[str, int, int, int, str], prompt: PasskeyPrompt, results: list[PasskeyResult]) -> None:
+         cell: Prompt, prompt: PasskeyPrompt, results: list[PasskeyResult]) -> None:
     """One prompt in one mode, appended to ``results`` (window-only's window matches the focus results')."""
     haystack, length, depth, number, phrasing = cell
     t0 = time.perf_counter()
