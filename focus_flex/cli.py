@@ -445,21 +445,27 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
 
 
 def _reused_full(args: argparse.Namespace) -> list:
-    """The full-attention results of ``--full-results`` for exactly the prompts this run asks for."""
+    """The full-attention results of ``--full-results`` for exactly the prompts this run asks for.
+
+    Several files may each hold some of the prompts; where two hold the same prompt, the first named wins.
+    """
     from focus_flex.passkey import Prompt, load_passkey, prompts_of
 
-    try:
-        earlier = {Prompt(r.haystack, r.length, r.depth, r.key_number, r.phrasing): r
-                   for r in load_passkey(args.full_results) if r.mode == "full"}
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        raise CliError(f"--full-results {args.full_results!r}: not a readable passkey.json ({e})") from e
+    earlier = {}
+    for path in args.full_results:
+        try:
+            for r in load_passkey(path):
+                if r.mode == "full":
+                    earlier.setdefault(Prompt(r.haystack, r.length, r.depth, r.key_number, r.phrasing), r)
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise CliError(f"--full-results {path!r}: not a readable passkey.json ({e})") from e
     cells = prompts_of(args.haystacks, args.lengths, args.depths, args.keys_per_cell, args.phrasings)
     missing = [c for c in cells if c not in earlier or earlier[c].key != c.key(args.seed)]
     if missing:
         held = sorted({c.phrasing for c in earlier})
-        raise CliError(f"--full-results {args.full_results!r} has no full-attention result for {len(missing)} of the "
-                       f"{len(cells)} prompts asked for (e.g. {missing[0]}, --seed {args.seed}); run full attention "
-                       f"for them (drop --full-results), or ask for the phrasings it holds (--phrasings "
+        raise CliError(f"--full-results {' '.join(args.full_results)} has no full-attention result for {len(missing)} "
+                       f"of the {len(cells)} prompts asked for (e.g. {missing[0]}, --seed {args.seed}); run full "
+                       f"attention for them (drop --full-results), or ask for the phrasings it holds (--phrasings "
                        f"{' '.join(held)})")
     return [earlier[c] for c in cells]
 
@@ -589,9 +595,9 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--phrasings", nargs="+", choices=list(PHRASINGS), default=list(PHRASINGS),
                     help="words around the haystack: the passkey's, RULER's needle-in-a-haystack")
     pk.add_argument("--seed", type=int, default=0, help="seed of the keys")
-    pk.add_argument("--full-results", metavar="PASSKEY_JSON", default=None,
-                    help="reuse the full-attention results of an earlier run (its passkey.json, same prompts) "
-                         "instead of running full attention again")
+    pk.add_argument("--full-results", metavar="PASSKEY_JSON", nargs="+", default=None,
+                    help="reuse the full-attention results of earlier runs (their passkey.json files, together "
+                         "holding this run's prompts; the first named wins) instead of running full attention again")
     _add_common(e, training=False)
     e.set_defaults(func=cmd_eval, modes=None)  # --modes default: all of the task's modes
 
