@@ -205,7 +205,10 @@ def layer_subset(adapter: FocusAdapter, layers: list[int]) -> FocusAdapter:
     if missing:
         raise SystemExit(f"--layers {missing}: not Focus layers of the adapter ({adapter.config.layers})")
     slots = [adapter.slot[layer] for layer in sorted(layers)]
-    config = FocusConfig.from_dict({**adapter.config.to_dict(), "layers": sorted(layers)})
+    center = adapter.config.center
+    if isinstance(center, list):  # centered on some layers: those of them in the subset
+        center = [layer for layer in center if layer in layers]
+    config = FocusConfig.from_dict({**adapter.config.to_dict(), "layers": sorted(layers), "center": center})
     means = {} if not config.center else {"query_means": adapter.query_means.detach()[slots],
                                           "key_means": adapter.key_means.detach()[slots]}
     return FocusAdapter(config, adapter.centroids.detach()[slots], **means)

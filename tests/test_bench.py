@@ -138,6 +138,11 @@ def test_passkey_oracle_layer_subset_is_focus_in_those_layers_only():
     assert (partial - full).abs().max() > 1e-4 and (partial - both).abs().max() > 1e-4
     with pytest.raises(SystemExit, match="not Focus layers"):
         layer_subset(sub, [0])
+    # centered on some layers only: a subset keeps the centering of its own layers
+    some = FocusAdapter(FocusConfig.from_dict({**adapter.config.to_dict(), "center": [1]}), adapter.centroids,
+                        query_means=adapter.query_means, key_means=adapter.key_means)
+    assert layer_subset(some, [0]).config.center is False and layer_subset(some, [1]).config.center == [1]
+    assert layer_subset(some, [0, 1]).config.center == [1]
 
 
 def test_passkey_oracle_dense_rows_attend_fully_and_the_rest_keep_focus():
