@@ -52,7 +52,7 @@ from focus_flex import FocusAdapter, FocusConfig
 from focus_flex.attention import focus_pattern
 from focus_flex.cli import layer_head
 from focus_flex.models import load_model
-from focus_flex.passkey import PrefillMeter, build_prompt, greedy_answer, load_passkey, score
+from focus_flex.passkey import PrefillMeter, greedy_answer, load_passkey, score
 
 VARIANTS = ("none", "decode", "tail", "needle", "needle-rows", "denominator", "summaries")
 SUMMARY_BLOCK = 64
@@ -264,7 +264,7 @@ def main() -> None:
         adapter.config.dense_decode = variant == "decode" or own_dense_decode
         hits, densities = 0, []
         for r in solved:
-            prompt = build_prompt(tokenizer, r.length, r.depth, r.key, r.haystack, r.key_number)
+            prompt = r.prompt.build(tokenizer, r.key)
             t0 = time.perf_counter()
             meter = PrefillMeter(adapter)
             try:

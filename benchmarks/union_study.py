@@ -24,7 +24,7 @@ from focus_flex.attention import focus_pattern
 from focus_flex.data import load_documents, token_windows
 from focus_flex.evaluate import window_nll
 from focus_flex.models import load_model
-from focus_flex.passkey import build_prompt, greedy_answer, load_passkey, score
+from focus_flex.passkey import greedy_answer, load_passkey, score
 
 
 @contextlib.contextmanager
@@ -79,7 +79,7 @@ def main() -> None:
         hits = 0
         for r in solved:
             pairs.clear()
-            prompt = build_prompt(tokenizer, r.length, r.depth, r.key, r.haystack, r.key_number)
+            prompt = r.prompt.build(tokenizer, r.key)
             answer = greedy_answer(model, tokenizer, prompt.input_ids)
             hits += score(answer, r.key)
             density = sum(p for p, _ in pairs) / sum(c for _, c in pairs)

@@ -449,14 +449,14 @@ def _reused_full(args: argparse.Namespace) -> list:
 
     Several files may each hold some of the prompts; where two hold the same prompt, the first named wins.
     """
-    from focus_flex.passkey import Prompt, load_passkey, prompts_of
+    from focus_flex.passkey import load_passkey, prompts_of
 
     earlier = {}
     for path in args.full_results:
         try:
             for r in load_passkey(path):
                 if r.mode == "full":
-                    earlier.setdefault(Prompt(r.haystack, r.length, r.depth, r.key_number, r.phrasing), r)
+                    earlier.setdefault(r.prompt, r)
         except (OSError, ValueError, TypeError, KeyError) as e:
             raise CliError(f"--full-results {path!r}: not a readable passkey.json ({e})") from e
     cells = prompts_of(args.haystacks, args.lengths, args.depths, args.keys_per_cell, args.phrasings)

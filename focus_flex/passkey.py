@@ -117,6 +117,11 @@ class PasskeyResult:
     first_logprob: float | None = None  # the part of key_logprob on the key's first token (SmolLM2: the space)
     phrasing: str = "passkey"  # a key of PHRASINGS (results of older runs: the passkey's)
 
+    @property
+    def prompt(self) -> Prompt:
+        """Which prompt this result answers; its tokens: ``self.prompt.build(tokenizer, self.key)``."""
+        return Prompt(self.haystack, self.length, self.depth, self.key_number, self.phrasing)
+
 
 # ---- prompts -------------------------------------------------------------------------------------
 
@@ -138,6 +143,11 @@ class Prompt(NamedTuple):
     def key(self, seed: int = 0) -> str:
         """The prompt's key: the same for every mode and phrasing."""
         return make_key(self.haystack, self.length, self.depth, self.number, seed)
+
+    def build(self, tokenizer: Any, key: str) -> PasskeyPrompt:
+        """The prompt's tokens, hiding ``key`` (normally ``self.key(seed)``), in its phrasing's words."""
+        return build_prompt(tokenizer, self.length, self.depth, key, self.haystack, self.number,
+                            PHRASINGS[self.phrasing])
 
 
 def prompts_of(haystacks: list[str] | tuple[str, ...], lengths: list[int] | tuple[int, ...],
@@ -350,8 +360,7 @@ def passkey_eval(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None,
                            "attention: detach it before passkey_eval() (which attaches the adapter itself).")
     modes = [m for m in PASSKEY_MODES if m in modes]
     cells = prompts_of(haystacks, lengths, depths, keys_per_cell, phrasings)
-    prompts = {c: build_prompt(tokenizer, c.length, c.depth, c.key(seed), c.haystack, c.number, PHRASINGS[c.phrasing])
-               for c in cells}
+    prompts = {c: c.build(tokenizer, c.key(seed)) for c in cells}
     results: list[PasskeyResult] = []
     was_training, old_mode = model.training, adapter.mode if adapter is not None else None
     model.eval()

@@ -114,6 +114,11 @@ def test_phrasings_hide_the_same_key_in_the_same_haystack(smollm2, haystack):
                          "for quiet-harbor mentioned in the provided text is:\n\n-")
     after = tok.decode(passkey.input_ids[passkey.needle[1]:passkey.needle[1] + 30])  # the haystack after the needle
     assert after in text and abs(ruler.depth - passkey.depth) < 1
+    # a result (as the benchmarks load them from passkey.json) rebuilds the prompt it answered, in its phrasing
+    for phrasing, built in (("passkey", passkey), ("ruler", ruler)):
+        r = P.PasskeyResult("full", haystack, 1024, 30, 1, "71432", "", False, 0.0, 1.0, 0.0, phrasing=phrasing)
+        assert r.prompt == P.Prompt(haystack, 1024, 30, 1, phrasing)
+        assert torch.equal(r.prompt.build(tok, r.key).input_ids, built.input_ids)
 
 
 @pytest.mark.slow
