@@ -494,15 +494,10 @@ def _mean_logprob(results: list[PasskeyResult]) -> str:
     return f"{total:.2f} ({first:.2f}; {total - first:.2f})"
 
 
-def prompt_id(r: PasskeyResult) -> tuple[str, str, int, int, int, str]:
-    """Which prompt a result answers: every mode of one run (or of runs with the same seed) answers the same ones."""
-    return r.haystack, r.phrasing, r.length, r.depth, r.key_number, r.key
-
-
 def retained(results: list[PasskeyResult], mode: str) -> list[PasskeyResult]:
     """``mode``'s results on the prompts that full attention answers correctly (the retrieval Focus must keep)."""
-    solved = {prompt_id(r) for r in results if r.mode == "full" and r.correct}
-    return [r for r in results if r.mode == mode and prompt_id(r) in solved]
+    solved = {(r.prompt, r.key) for r in results if r.mode == "full" and r.correct}  # the key: the same seed's
+    return [r for r in results if r.mode == mode and (r.prompt, r.key) in solved]
 
 
 def load_passkey(path: str | os.PathLike) -> list[PasskeyResult]:

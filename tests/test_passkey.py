@@ -239,11 +239,11 @@ def test_eval_task_passkey_writes_table_json_and_heatmaps(tmp_path, capsys):
         parts.append(tmp_path / f"full-{phrasing}.json")
         parts[-1].write_text(json.dumps({**data, "results": [r for r in full if r["phrasing"] == phrasing]}))
     both = tmp_path / "pk4"
-    argv = [*argv[:argv.index("--phrasings")], "--full-results", *map(str, parts), "--no-progress"]
-    assert main([*argv, "--output-dir", str(both)]) == 0
+    both_phrasings = [*argv[:argv.index("--phrasings")], "--no-progress", "--full-results"]
+    assert main([*both_phrasings, *map(str, parts), "--output-dir", str(both)]) == 0
     reused = [r for r in json.loads((both / P.PASSKEY_JSON).read_text())["results"] if r["mode"] == "full"]
     assert sorted(reused, key=json.dumps) == sorted(full, key=json.dumps)
-    assert main([*argv[:-3], str(parts[0]), "--no-progress", "--output-dir", str(tmp_path / "pk5")]) == 2
+    assert main([*both_phrasings, str(parts[0]), "--output-dir", str(tmp_path / "pk5")]) == 2
     assert "no full-attention result for 2 of the 4 prompts" in capsys.readouterr().err
 
 
