@@ -31,6 +31,15 @@ def test_tiny_run_writes_json_markdown_and_plot(tmp_path):
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def logits_with(model, adapter, x):
+    """``model(x).logits`` with ``adapter`` attached for this call only."""
+    adapter.attach(model)
+    try:
+        return model(x).logits
+    finally:
+        adapter.detach(model)
+
+
 def machine_line(md: str) -> str:
     return md.splitlines()[2]
 
@@ -130,11 +139,8 @@ def test_passkey_oracle_layer_subset_is_focus_in_those_layers_only():
     x = ids(1, 60)
     with torch.no_grad():
         full = model(x).logits
-        sub.attach(model)
-        partial = model(x).logits
-        sub.detach(model)
-        adapter.attach(model)
-        both = model(x).logits
+        partial = logits_with(model, sub, x)
+        both = logits_with(model, adapter, x)
     assert (partial - full).abs().max() > 1e-4 and (partial - both).abs().max() > 1e-4
     with pytest.raises(SystemExit, match="not Focus layers"):
         layer_subset(sub, [0])
@@ -195,10 +201,7 @@ def test_passkey_oracle_wide_layers_route_those_layers_into_more_groups():
     own = (adapter.config.query_top_k, adapter.config.key_top_k)
     with torch.no_grad():
         full = model(x).logits
-        sub = layer_subset(adapter, [0])
-        sub.attach(model)
-        only_0 = model(x).logits
-        sub.detach(model)
+        only_0 = logits_with(model, layer_subset(adapter, [0]), x)
         adapter.attach(model)
         focus = model(x).logits
         meter = RoutingMeter(adapter)
@@ -323,10 +326,7 @@ def test_union_study_adds_the_other_adapters_pattern_in_the_chosen_layers():
     wide = FocusAdapter.for_model(model, FocusConfig(num_groups=4, window=64, sink_tokens=2), seed=4)
     x = ids(1, 60)
     with torch.no_grad():
-        lower = layer_subset(adapter, [0])
-        lower.attach(model)
-        expected = model(x).logits
-        lower.detach(model)
+        expected = logits_with(model, layer_subset(adapter, [0]), x)
         adapter.attach(model)
         alone = model(x).logits
         adapter.mode = "reference"
