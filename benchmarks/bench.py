@@ -591,28 +591,21 @@ def _prefill_worker(spec: dict[str, Any]) -> dict[str, Any]:
     cfg = adapter.config
     calls = model.config.num_hidden_layers * model.config.num_key_value_heads  # one far plan per layer and KV head
     far_pairs: list[int] = []
-    far_plan, prefill_plan, plan_attention = flash.far_plan, native.prefill_plan, attention.plan_attention
+    # the far plans of the flash, C and flex kernels (whichever runs), recorded on the first forward only
+    planners = [(flash, "far_plan", lambda p: p.pairs), (native, "prefill_plan", lambda p: p.pairs),
+                (attention, "plan_attention", lambda p: p.far.pairs)]
+    originals = [getattr(module, name) for module, name, _ in planners]
 
-    def recording_far_plan(*args: Any, **kwargs: Any) -> flash.FarPlan:  # real routing, first forward only
-        p = far_plan(*args, **kwargs)
-        far_pairs.append(p.pairs)
-        if len(far_pairs) == calls:
-            flash.far_plan = far_plan
-        return p
+    def recording(module: Any, name: str, pairs: Callable[[Any], int]) -> Callable[..., Any]:
+        plan = getattr(module, name)
 
-    def recording_prefill_plan(*args: Any, **kwargs: Any) -> native.PrefillPlan:  # the same, for the C kernel
-        p = prefill_plan(*args, **kwargs)
-        far_pairs.append(p.pairs)
-        if len(far_pairs) == calls:
-            native.prefill_plan = prefill_plan
-        return p
-
-    def recording_plan(*args: Any, **kwargs: Any) -> attention.FocusPlan:  # the same, for the flex kernel
-        p = plan_attention(*args, **kwargs)
-        far_pairs.append(p.far.pairs)
-        if len(far_pairs) == calls:
-            attention.plan_attention = plan_attention
-        return p
+        def record(*args: Any, **kwargs: Any) -> Any:  # real routing
+            p = plan(*args, **kwargs)
+            far_pairs.append(pairs(p))
+            if len(far_pairs) == calls:
+                setattr(module, name, plan)
+            return p
+        return record
 
     def forward() -> None:
         with torch.inference_mode():
@@ -626,11 +619,12 @@ def _prefill_worker(spec: dict[str, Any]) -> dict[str, Any]:
     t = time.perf_counter()
     _warm_focus(model, adapter, n, n)
     res["compile_s"] = time.perf_counter() - t
-    flash.far_plan, native.prefill_plan, attention.plan_attention = recording_far_plan, recording_prefill_plan, \
-        recording_plan
+    for module, name, pairs in planners:
+        setattr(module, name, recording(module, name, pairs))
     times = _measure({"focus": forward, "sdpa": lambda: _as_sdpa(model, adapter, forward)}, spec["repeats"],
                      spec["max_seconds"])
-    flash.far_plan, native.prefill_plan, attention.plan_attention = far_plan, prefill_plan, plan_attention
+    for (module, name, _), plan in zip(planners, originals, strict=True):
+        setattr(module, name, plan)
     if native.library() is not None:  # the default kernel's PyTorch fallback, after the pair above
         with native.disabled():
             times.update(_measure({"fallback": forward}, spec["repeats"], spec["max_seconds"]))
