@@ -596,9 +596,7 @@ def _prefill_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 (attention, "plan_attention", lambda p: p.far.pairs)]
     originals = [getattr(module, name) for module, name, _ in planners]
 
-    def recording(module: Any, name: str, pairs: Callable[[Any], int]) -> Callable[..., Any]:
-        plan = getattr(module, name)
-
+    def recording(module: Any, name: str, plan: Callable[..., Any], pairs: Callable[[Any], int]) -> Callable[..., Any]:
         def record(*args: Any, **kwargs: Any) -> Any:  # real routing
             p = plan(*args, **kwargs)
             far_pairs.append(pairs(p))
@@ -619,8 +617,8 @@ def _prefill_worker(spec: dict[str, Any]) -> dict[str, Any]:
     t = time.perf_counter()
     _warm_focus(model, adapter, n, n)
     res["compile_s"] = time.perf_counter() - t
-    for module, name, pairs in planners:
-        setattr(module, name, recording(module, name, pairs))
+    for (module, name, pairs), plan in zip(planners, originals, strict=True):
+        setattr(module, name, recording(module, name, plan, pairs))
     times = _measure({"focus": forward, "sdpa": lambda: _as_sdpa(model, adapter, forward)}, spec["repeats"],
                      spec["max_seconds"])
     for (module, name, _), plan in zip(planners, originals, strict=True):
