@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from focus_flex import flash
 from focus_flex.attention import (
     DECODE_MAX_QUERIES,
     attention_weights,
@@ -241,7 +243,13 @@ class FocusAdapter(nn.Module):
         if has_focus(model):
             raise RuntimeError("A Focus adapter is already attached to this model; detach it first.")
         register()
-        self.to(next(model.parameters()).device)
+        device = next(model.parameters()).device
+        if self.mode == "fast" and device.type == "cpu" and not flash.supported(device, self.config):
+            warnings.warn(f"focus_flex: query_top_k={self.config.query_top_k} and key_top_k={self.config.key_top_k} "
+                          "are both above 1, so on CPU the prefill runs on the flex kernel, several times slower "
+                          "than the flash kernel, which needs one of them to be 1 (docs/speed.md). Set query_top_k "
+                          "or key_top_k to 1 for CPU speed.", RuntimeWarning, stacklevel=2)
+        self.to(device)
         self._rotary = rotary_of(model) if self.config.center else None
         hooks = []
         for module in _attention_modules(model):
