@@ -24,10 +24,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from focus_flex import flash
 from focus_flex.attention import (
     DECODE_MAX_QUERIES,
     attention_weights,
+    default_kernel,
     focus_attention,
     key_validity,
     reference_attention,
@@ -244,7 +244,7 @@ class FocusAdapter(nn.Module):
             raise RuntimeError("A Focus adapter is already attached to this model; detach it first.")
         register()
         device = next(model.parameters()).device
-        if self.mode == "fast" and device.type == "cpu" and not flash.supported(device, self.config):
+        if self.mode == "fast" and device.type == "cpu" and default_kernel(device, self.config) == "flex":
             warnings.warn(f"focus_flex: query_top_k={self.config.query_top_k} and key_top_k={self.config.key_top_k} "
                           "are both above 1, so on CPU the prefill runs on the flex kernel, several times slower "
                           "than the flash kernel, which needs one of them to be 1 (docs/speed.md). Set query_top_k "
