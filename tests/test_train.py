@@ -251,7 +251,8 @@ def test_kd_is_the_kl_from_full_attention_to_the_soft_pattern():
 
 def test_soft_path_gradient_is_the_derivative_of_the_loss():
     """The soft path recomputes its dense terms in the backward pass: the centroids' gradient still matches a
-    central finite difference of a loss of the logits along a random direction (float64)."""
+    central finite difference of a loss of the logits along a random direction (float64; the step is large
+    enough that the model's float32 RMSNorm rounding does not swamp the difference)."""
     model = tiny_llama().double().requires_grad_(False)
     seq = windows()[0][None]
     adapter = FocusAdapter.for_model(model, FocusConfig(num_groups=4, window=8, sink_tokens=2, tau=0.5), seed=0)
@@ -266,14 +267,14 @@ def test_soft_path_gradient_is_the_derivative_of_the_loss():
     direction = torch.randn_like(adapter.centroids, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         start = adapter.centroids.detach().clone()
-        adapter.centroids.copy_(start + 1e-6 * direction)
+        adapter.centroids.copy_(start + 1e-4 * direction)
         up = loss()
-        adapter.centroids.copy_(start - 1e-6 * direction)
+        adapter.centroids.copy_(start - 1e-4 * direction)
         down = loss()
     adapter.detach(model)
     slope = (adapter.centroids.grad * direction).sum()
     assert slope.abs() > 1e-3
-    torch.testing.assert_close((up - down) / 2e-6, slope, rtol=1e-2, atol=0)  # (the soft top-k has kinks)
+    torch.testing.assert_close((up - down) / 2e-4, slope, rtol=1e-2, atol=0)  # (the soft top-k has kinks)
 
 
 def test_keep_starts_from_the_adapter_as_given():
