@@ -140,14 +140,15 @@ def hard_membership(x: torch.Tensor, centroids: torch.Tensor, k: int) -> torch.T
 def soft_membership(s: torch.Tensor, k: int) -> torch.Tensor:
     """Differentiable top-k indicator, ``[..., G]`` -> ``[..., G]`` in (0, 1).
 
-    ``sigmoid(s_g - t)`` with the threshold t halfway between the k-th and (k+1)-th score. t is part of the
-    function, so the gradient is its derivative: raising a kept group's score also raises t, which lowers the
-    others' memberships. Scores carry 1/tau, so as routing sharpens (tau -> 0, or scores separate) this
-    tends to the exact top-k indicator of :func:`top_groups`. With k == G every group is kept.
+    ``sigmoid(s_g - t)`` with the threshold t halfway between the k-th and (k+1)-th score. Scores carry 1/tau, so
+    as routing sharpens (tau -> 0, or scores separate) this tends to the exact top-k indicator of :func:`top_groups`.
+    With k == G every group is kept. t is detached: the gradient moves each group's own score against a fixed bar,
+    so it is the derivative of the loss with t held, not of the loss (with t differentiable, distillation trains
+    worse hard routing: docs/quality.md, "The soft top-k's threshold").
     """
     if k >= s.shape[-1]:
         return torch.ones_like(s)
-    top = s.topk(k + 1, dim=-1).values
+    top = s.detach().topk(k + 1, dim=-1).values
     threshold = 0.5 * (top[..., k - 1] + top[..., k])
     return torch.sigmoid(s - threshold.unsqueeze(-1))
 
