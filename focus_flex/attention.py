@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -475,10 +476,10 @@ def _few_queries_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ce
 
 
 
-def default_kernel(device: torch.device, config: FocusConfig) -> str:
-    """The prefill kernel :func:`focus_attention` uses unless told: ``"flash"`` on CPU where it applies, else
-    ``"flex"``."""
-    return "flash" if flash.supported(device, config) else "flex"
+def default_kernel(device: torch.device, config: FocusConfig, qkv: tuple[torch.Tensor, ...] | None = None) -> str:
+    """The prefill kernel :func:`focus_attention` uses unless told: ``"flash"`` on CPU where it applies (to ``qkv``
+    if given), else ``"flex"``."""
+    return "flash" if flash.supported(device, config, qkv) else "flex"
 
 
 def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
@@ -491,7 +492,7 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
     through their log-sum-exps. ``kernel`` runs them as two block-sparse FlexAttention calls over all heads
     (``"flex"``, :func:`flex_prefill`: no host synchronisation, traceable by ``torch.compile(fullgraph=True)``) or as
     the CPU flash kernel (``"flash"``, :mod:`focus_flex.flash`: faster on CPU, docs/speed.md); None picks
-    ``"flash"`` on CPU where it applies (query or key top-k 1), else ``"flex"``. ``"flex"`` runs any number of
+    ``"flash"`` on CPU where it applies (:func:`default_kernel`), else ``"flex"``. ``"flex"`` runs any number of
     queries (a decode step too) through :func:`flex_prefill` unless a ``key_index`` is given.
     Decode (Lq <= 16) with ``config.dense_decode`` is :func:`decode_attention`; else it gathers the allowed keys
     (window + sinks + same-group keys): ``key_index`` (:class:`~focus_flex.decode.KeyIndex`) is the key routing a KV
@@ -512,7 +513,11 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
         valid = check_inputs(q, k, v, centroids, config, attention_mask)
         return decode_attention(q, k, v, valid, q.shape[-1] ** -0.5 if scale is None else scale)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    flex = (kernel or default_kernel(q.device, config)) == "flex"
+    flex = (kernel or default_kernel(q.device, config, (q, k, v))) == "flex"
+    if flex and kernel is None and flash.supported(q.device, config):  # the C kernel is there, not for these inputs
+        warnings.warn(f"focus_flex: with query_top_k and key_top_k both above 1 the CPU flash kernel runs in C only, "
+                      f"which does not take {q.dtype} q, k, v of head dim {q.shape[-1]} (native.prefill_applies): "
+                      "this prefill runs on the slower flex kernel.", RuntimeWarning, stacklevel=2)
     if flex and not grad and q.dim() == 4 and (key_index is None or q.shape[2] > DECODE_MAX_QUERIES):  # traceable
         valid = check_inputs(q, k, v, centroids, config, attention_mask)
         out = flex_prefill(q, k, v, centroids, config, valid, q.shape[-1] ** -0.5 if scale is None else scale,
@@ -564,9 +569,10 @@ def _host_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
     valid = check_inputs(q, k, v, centroids, config, attention_mask)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     lq = q.shape[2]
-    if kernel == "flash" and not flash.supported(q.device, config):
-        raise ValueError(f"kernel='flash' needs CPU tensors (got {q.device.type}) and top-k 1 for queries or keys "
-                         f"(got {config.query_top_k} and {config.key_top_k}); use kernel='flex'")
+    if kernel == "flash" and not flash.supported(q.device, config, (q, k, v)):
+        raise ValueError(f"kernel='flash' needs CPU tensors (got {q.device.type}), and with top-k above 1 for both "
+                         f"queries and keys (got {config.query_top_k} and {config.key_top_k}) the C kernel, which "
+                         "does not take these inputs (native.prefill_applies says why); use kernel='flex'")
     if lq <= DECODE_MAX_QUERIES and key_index is not None and (attention_mask is None or bool(valid.all())):
         q_pos = torch.arange(k.shape[2] - lq, k.shape[2], device=q.device).expand(q.shape[0], -1)
         q_route = q if centering is None else centering.queries(q, q_pos)

@@ -16,8 +16,9 @@ Per batch row (padding dropped) and KV head, with its query heads stacked, two p
 Where it builds (:mod:`focus_flex.native`), ``csrc/prefill.c`` runs both parts in one call per batch row and KV head:
 every computed pair is one in registers, the far plan is two counting sorts, the far part merges into the local
 part's output in place, and the only buffers are a log-sum-exp per row, the plan's integer lists and a few tiles per
-thread. Elsewhere (no C compiler, float16, a head dim that is not a multiple of 16 or above 256) the same parts run
-as chunks of PyTorch's CPU flash attention, which returns the log-sum-exp:
+thread; a pair sharing several groups (query and key top-k both above 1) is computed in the first of them.
+Elsewhere (no C compiler, float16, a head dim that is not a multiple of 16 or above 256) the same parts run as chunks
+of PyTorch's CPU flash attention, which returns the log-sum-exp:
 
 * local: query chunks attend ``[sinks | the window span of the chunk]`` under one additive mask that is the same for
   every chunk (only the first chunks, near the sinks, get their own); ~``(chunk + window) / window`` times the
@@ -25,8 +26,8 @@ as chunks of PyTorch's CPU flash attention, which returns the log-sum-exp:
 * far: a chunk of a group's query copies attends the prefix every row of the chunk sees (one unmasked call), then the
   few keys after it under a small staircase mask; results merge into the local part's every ``FAR_BLOCK`` copies.
 
-A query in several groups has a far copy per group; a key in several groups is listed in each. A pair sharing
-several groups would be counted more than once, so top-k > 1 for both queries and keys is left to the flex path.
+A query in several groups has a far copy per group; a key in several groups is listed in each. The PyTorch parts
+would count a pair sharing several groups more than once, so top-k > 1 for both queries and keys runs in C only.
 """
 
 from __future__ import annotations
@@ -48,9 +49,14 @@ LOCAL_BATCH = 32  # local chunks per flash call (gathered keys: ~2.6 MB per tens
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-def supported(device: torch.device, config: FocusConfig) -> bool:
-    """Whether this path can run: CPU tensors, and no pair can share two groups."""
-    return device.type == "cpu" and (config.query_top_k == 1 or config.key_top_k == 1)
+def supported(device: torch.device, config: FocusConfig, qkv: tuple[torch.Tensor, ...] | None = None) -> bool:
+    """Whether this path can run: CPU tensors, and no pair can share two groups or the C kernel runs (for these
+    ``qkv`` if given, else for some inputs: its library is built)."""
+    if device.type != "cpu":
+        return False
+    if config.query_top_k == 1 or config.key_top_k == 1:
+        return True
+    return native.prefill_applies(*qkv) if qkv is not None else native.library() is not None
 
 
 def local_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, config: FocusConfig, scale: float,
@@ -252,6 +258,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
     layout = torch.preserve_format if q.stride(-1) == 1 else torch.contiguous_format  # rows of D: see _row_view
     out = (torch.empty_like if bool(valid.all()) else torch.zeros_like)(q, memory_format=layout)  # padded rows: 0
     fused, threads = native.prefill_applies(q, k, v), torch.get_num_threads()
+    if not fused and config.query_top_k > 1 and config.key_top_k > 1:
+        raise ValueError(f"query_top_k={config.query_top_k} and key_top_k={config.key_top_k} run on the flash path "
+                         "only through its C kernel, which does not take these inputs (native.prefill_applies says "
+                         "why); use kernel='flex'")
     # Routing per batch row and KV head where it is the C routing (a vector's group does not depend on the vectors
     # routed with it); PyTorch's scores can, in their last bits, so there the whole tensors are routed at once, as
     # reference_attention does.

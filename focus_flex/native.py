@@ -60,8 +60,9 @@ ROUTE_MIN_BITS = 256  # routing.c runs where the build's vectors are at least th
 DECODE_MIN_BITS = 256  # the C decode step too (with 128-bit vectors PyTorch's step is faster: docs/speed.md)
 _P, _I, _F, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _DECODE_ARGS = (_I, _I, _I, _P, _P, _F, _P, _P, _I, _P, _P, _I, _N, _P, _P, _P, _I, _I, _I, _I, _N, _P)
-_PLAN_ARGS = (_I, _I, _I, _I, _I, _I, _P, _I, _P, _I) + (_P,) * 7
-_PREFILL_ARGS = (_I, _I, _I, _I, _P, _I, _I, _P, _I, _P, _I, _P, _I, _I, _N, _F, _I, _I, _I, _I) + (_P,) * 7 + (_N, _P)
+_PLAN_ARGS = (_I, _I, _I, _I, _I, _I, _P, _I, _P, _I) + (_P,) * 9
+_PREFILL_ARGS = ((_I, _I, _I, _I, _P, _I, _I, _P, _I, _P, _I, _P, _I, _I, _N, _F, _I, _I, _I, _I) + (_P,) * 9
+                 + (_I, _N, _P))
 
 
 def _cpu() -> bytes:
@@ -273,6 +274,8 @@ class PrefillPlan(NamedTuple):
     Each group's keys past the sinks, ascending (``klist[kstart[g]:kstart[g + 1]]``); each group's query copies that
     see a far key, ascending by position, as (flat row ``head * Lq + query``, number of its group's keys it sees)
     (``crow``/``chi``, from ``cstart[g]``); and tiles of them, ``tiles[ctiles[g]:ctiles[g + 1]]`` as ``[c0, c1)``.
+    With query and key top-k both above 1 a pair can share several groups; the kernel computes it in the first, by
+    the rows' and keys' group bitmasks ``qbits``/``kbits``.
     """
 
     kstart: torch.Tensor  # [G + 1] int64
@@ -282,13 +285,17 @@ class PrefillPlan(NamedTuple):
     chi: torch.Tensor  # [R * Lq * kq] int32
     ctiles: torch.Tensor  # [G + 1] int64
     tiles: torch.Tensor  # [R * Lq * kq, 2] int32
+    qbits: torch.Tensor  # [R * Lq] int64
+    kbits: torch.Tensor  # [Lk] int64
     query_top_k: int
+    key_top_k: int
     shape: tuple[int, int, int]  # (R, Lq, Lk) it was planned for
     pattern: tuple[int, int, int]  # (groups, window, sinks) it was planned for, window and sinks capped at Lk + 1
 
     @property
     def pairs(self) -> int:
-        """Far (query, key) pairs the plan allows (copies without far keys are left 0)."""
+        """Far (query, key) pairs the plan lists (copies without far keys are left 0); with query and key top-k both
+        above 1, a pair sharing s groups is listed s times (and computed once)."""
         return int(self.chi.long().sum())
 
 
@@ -302,9 +309,10 @@ def prefill_plan(q_groups: torch.Tensor, k_groups: torch.Tensor, config: FocusCo
     plan = PrefillPlan(torch.empty(g + 1, dtype=torch.long), torch.empty(lk * kk, dtype=torch.int32),
                        torch.empty(g + 1, dtype=torch.long), torch.zeros(copies, dtype=torch.int32),
                        torch.zeros(copies, dtype=torch.int32), torch.empty(g + 1, dtype=torch.long),
-                       torch.empty(copies, 2, dtype=torch.int32), kq, (r, lq, lk), pattern)
+                       torch.empty(copies, 2, dtype=torch.int32), torch.empty(r * lq, dtype=torch.long),
+                       torch.empty(lk, dtype=torch.long), kq, kk, (r, lq, lk), pattern)
     code = library().focus_prefill_plan(r, lq, lk, pattern[1], pattern[2], g, qg.data_ptr(), kq,
-                                        kg.data_ptr(), kk, *(x.data_ptr() for x in plan[:7]))
+                                        kg.data_ptr(), kk, *(x.data_ptr() for x in plan[:9]))
     _check(code, "prefill plan")
     return plan
 
@@ -314,8 +322,8 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PrefillPlan
     """Focus attention of one unpadded sequence and KV head, written into ``out``.
 
     q and out ``[R, Lq, D]`` (the query heads of the KV head; rows of D contiguous, any head/position strides),
-    k/v ``[Lk, D]``, queries at positions ``[Lk - Lq, Lk)``; ``plan`` from :func:`prefill_plan` (at most one shared
-    group per pair: query or key top-k 1). :func:`prefill_applies` must hold.
+    k/v ``[Lk, D]``, queries at positions ``[Lk - Lq, Lk)``; ``plan`` from :func:`prefill_plan`.
+    :func:`prefill_applies` must hold.
     """
     r, lq, d = q.shape
     if not _prefill_takes(q, k, v):
@@ -334,8 +342,8 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PrefillPlan
     code = library().focus_prefill(
         r, lq, k.shape[0], d, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), v.data_ptr(),
         v.stride(0), out.data_ptr(), out.stride(0), out.stride(1), q.dtype == torch.bfloat16, scale, plan.pattern[1],
-        plan.pattern[2], plan.pattern[0], plan.query_top_k, *(x.data_ptr() for x in plan[:7]), max(1, threads),
-        lse.data_ptr())
+        plan.pattern[2], plan.pattern[0], plan.query_top_k, *(x.data_ptr() for x in plan[:9]), plan.key_top_k,
+        max(1, threads), lse.data_ptr())
     _check(code, "prefill")
 
 

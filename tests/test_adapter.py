@@ -506,19 +506,22 @@ def test_real_smollm2_decode_equals_reference():
     assert maxdiff(logits["fast"], logits["reference"]) <= 1e-3 * logits["reference"].abs().max().item()
 
 
-def test_attach_on_cpu_says_when_the_prefill_cannot_use_the_flash_kernel():
-    """Top-k above 1 for both queries and keys runs on the slower flex kernel on CPU: attach says so; one of them at 1,
-    or the soft (training) path, attaches silently."""
+def test_attach_on_cpu_says_when_the_prefill_cannot_use_the_flash_kernel(monkeypatch):
+    """Top-k above 1 for both queries and keys runs on the flash kernel only in C: without the C kernels the prefill
+    runs on the slower flex kernel, and attach says so; with them, with one top-k at 1, or on the soft (training)
+    path, it attaches silently."""
     model = tiny("llama")
-    slow = FocusAdapter.for_model(model, FocusConfig(num_groups=4, query_top_k=2, key_top_k=2, window=8, sink_tokens=2))
-    with pytest.warns(RuntimeWarning, match="flex kernel.*query_top_k or key_top_k to 1"):
-        slow.attach(model)
-    slow.detach(model)
-    for cfg, mode in ((FocusConfig(num_groups=4, query_top_k=2, key_top_k=1, window=8, sink_tokens=2), "fast"),
-                      (FocusConfig(num_groups=4, query_top_k=2, key_top_k=2, window=8, sink_tokens=2), "soft")):
+    both = FocusConfig(num_groups=4, query_top_k=2, key_top_k=2, window=8, sink_tokens=2)
+    for cfg, mode in ((both, "fast"), (FocusConfig(num_groups=4, query_top_k=2, key_top_k=1, window=8, sink_tokens=2),
+                                       "fast"), (both, "soft")):
         adapter = FocusAdapter.for_model(model, cfg)
         adapter.mode = mode
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
             adapter.attach(model)
         adapter.detach(model)
+    monkeypatch.setenv("FOCUS_FLEX_NATIVE", "0")
+    slow = FocusAdapter.for_model(model, both)
+    with pytest.warns(RuntimeWarning, match="C kernels are unavailable.*flex kernel.*query_top_k or key_top_k to 1"):
+        slow.attach(model)
+    slow.detach(model)

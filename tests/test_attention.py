@@ -4,6 +4,7 @@ import functools
 import itertools
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from focus_flex import FocusConfig, flash, focus_attention, native, reference_attention, routing, soft_attention
-from focus_flex.attention import bucket, causal_blocks, focus_pattern, plan_attention
+from focus_flex.attention import bucket, causal_blocks, default_kernel, focus_pattern, plan_attention
 from focus_flex.decode import KeyIndex
 
 
@@ -77,7 +78,8 @@ def test_fast_path_matches_reference_fp32(case, kernel):
     cfg = FocusConfig(num_groups=4, query_top_k=kq, key_top_k=kk, window=w, sink_tokens=s, block_size=32)
     q, k, v, c, mask = make(b, hq, hkv, lq, lk, pad=pad)
     ref = reference_attention(q, k, v, c, cfg, attention_mask=mask)
-    if kernel == "flash" and kq > 1 and kk > 1:  # a pair could share two groups: only flex handles it
+    if kernel == "flash" and kq > 1 and kk > 1 and not native.prefill_applies(q, k, v):  # only the C kernel and flex
+        # count a pair that shares two groups once
         with pytest.raises(ValueError, match="kernel='flex'"):
             focus_attention(q, k, v, c, cfg, attention_mask=mask, kernel=kernel)
         return
@@ -112,6 +114,7 @@ FLASH_CASES = [
     (1, 3, 1, 300, 650, 2, 1, 64, 3, 0, 4),  # chunked prefill, a query in two groups
     (1, 2, 1, 600, 600, 1, 3, 256, 4, 0, 8),  # a key in three groups, SmolLM2's window
     (1, 2, 2, 500, 500, 1, 1, 7, 0, 0, 16),  # no sinks, a window smaller than a chunk
+    (2, 4, 2, 600, 600, 2, 4, 64, 4, 21, 8),  # pairs sharing two groups (the C kernel only), padding
 ]
 
 
@@ -126,6 +129,10 @@ def test_flash_kernel_over_many_chunks(case, chunks, flash_kernel, monkeypatch):
     cfg = FocusConfig(num_groups=g, query_top_k=kq, key_top_k=kk, window=w, sink_tokens=s)
     q, k, v, c, mask = make(b, hq, hkv, lq, lk, g=g, pad=pad, seed=1)
     ref = reference_attention(q, k, v, c, cfg, attention_mask=mask)
+    if kq > 1 and kk > 1 and not native.prefill_applies(q, k, v):
+        with pytest.raises(ValueError, match="C kernel, which does not take these inputs"):
+            focus_attention(q, k, v, c, cfg, attention_mask=mask, kernel="flash")
+        return
     assert max_diff(focus_attention(q, k, v, c, cfg, attention_mask=mask, kernel="flash"), ref) <= 1e-4
     out = focus_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), c, cfg, kernel="flash")
     ref = reference_attention(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), c, cfg)
@@ -512,3 +519,20 @@ def test_config_round_trip_and_validation(tmp_path):
             FocusConfig(**bad)
     with pytest.raises(ValueError, match="Unknown FocusConfig fields"):
         FocusConfig.from_dict({"num_groups": 4, "windw": 3})
+
+
+def test_default_kernel_for_pairs_sharing_groups_says_when_it_falls_back_to_flex():
+    """Query and key top-k both above 1 run on the C flash kernel by default; inputs it does not take (float16) run on
+    flex, with a warning. Both equal the reference."""
+    assert native.library() is not None, "the C kernels did not build"
+    cfg = FocusConfig(num_groups=4, query_top_k=2, key_top_k=2, window=16, sink_tokens=2)
+    q, k, v, c, _ = make(1, 4, 2, 200, 200, seed=3)
+    assert default_kernel(q.device, cfg, (q, k, v)) == "flash"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert max_diff(focus_attention(q, k, v, c, cfg), reference_attention(q, k, v, c, cfg)) <= 1e-5
+    half = [t.half() for t in (q, k, v)]
+    assert default_kernel(q.device, cfg, tuple(half)) == "flex"
+    with pytest.warns(RuntimeWarning, match="does not take torch.float16 q, k, v of head dim 16.*flex"):
+        out = focus_attention(*half, c, cfg)
+    assert max_diff(out, reference_attention(*(t.float() for t in half), c, cfg)) <= 2e-3

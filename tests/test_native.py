@@ -175,6 +175,8 @@ PREFILL_CASES = [
     (2, 300, 650, 128, 2, 1, 64, 70, 4),  # chunked prefill, a query in two groups, more sinks than a key block
     (1, 500, 500, 256, 1, 3, 256, 0, 8),  # the largest head dim, a key in three groups, no sinks
     (4, 33, 33, 16, 1, 1, 1, 1, 2),  # window 1: each query's far keys are all its group's earlier keys
+    (2, 600, 600, 64, 2, 4, 64, 4, 8),  # a pair in up to two shared groups: computed once
+    (3, 300, 520, 32, 3, 3, 32, 0, 5),  # three of five groups each side: most pairs share several
 ]
 
 
@@ -192,7 +194,7 @@ def test_c_prefill_equals_reference(case, dtype, threads):
     qg, kg = routing.hard_groups(q, c, kq)[0], routing.hard_groups(k, c, kk)[0, 0]
     plan = native.prefill_plan(qg, kg, cfg)
     torch_plan = flash.far_plan(qg, kg, lk - lq, cfg)
-    assert plan.pairs == torch_plan.pairs > 0  # the same far pairs as the PyTorch plan's
+    assert plan.pairs == torch_plan.pairs > 0  # the same far pairs as the PyTorch plan's (a shared pair per group)
     out = torch.full_like(q, float("nan"))
     native.prefill(q[0], k[0, 0], v[0, 0], plan, cfg, d ** -0.5, out[0], threads)
     ref = reference_attention(q.float(), k.float(), v.float(), c, cfg)

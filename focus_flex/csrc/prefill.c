@@ -7,7 +7,9 @@
    2. far — each group's keys past the sinks (ascending positions) and its query copies (ascending positions) are
       listed once (counting sorts); a copy at position p sees its group's keys at positions <= p - window, a prefix
       of the list. Tiles of NR copies of one group attend the union of their prefixes under a per-row bound, and
-      merge into `out` and `lse` exactly through the log-sum-exps.
+      merge into `out` and `lse` exactly through the log-sum-exps. With query and key top-k both above 1 a pair can
+      share several groups: it is computed in the first of them only (the copy in group g skips a key whose groups
+      meet the query's groups below g: two bitmasks ANDed per key and row).
 
    Inside a tile the NR rows are the lanes of NV vectors of W floats, so a key's score for every row is one FMA per
    dimension, the mask of a key is one compare against per-row bounds, and the online softmax needs no horizontal
@@ -76,6 +78,11 @@ typedef struct {
     int64_t start, window, sinks;
     float *lse;                              /* [r * lq] */
 } run_t;
+
+typedef struct {                             /* per key and row of a far tile: groups below the tile's, as bitmasks */
+    int32_t klo[KB], khi[KB];                /* the block's keys' groups (low and high 32 bits) */
+    vi qlo[NV], qhi[NV];                     /* the rows' groups below the tile's group */
+} shared_t;
 
 typedef struct {                             /* one thread's tile buffers (aligned to the vector size) */
     float qt[MAX_D * NR];                    /* [d][NR] scaled queries, rows as lanes */
@@ -158,8 +165,10 @@ static inline __attribute__((always_inline)) void pv(work_t *w, int n, int64_t d
 }
 
 /* One block of n <= KB keys (rows in kr/vr, coordinates x): key t is allowed for a row iff
-   x[t] < a or a2 <= x[t] <= b (per-row bounds, lanes of a/a2/b). Updates m, l, o. */
-static void block(const run_t *c, work_t *w, int n, const int32_t *x, const vi *a, const vi *a2, const vi *b) {
+   x[t] < a or a2 <= x[t] <= b (per-row bounds, lanes of a/a2/b), and, given `shared`, the key's groups do not meet
+   the row's groups below the tile's. Updates m, l, o. */
+static void block(const run_t *c, work_t *w, int n, const int32_t *x, const vi *a, const vi *a2, const vi *b,
+                  const shared_t *shared) {
     const int64_t d = c->d;
     static const float zero[MAX_D];
     for (int t = n; t < (n + KS - 1) / KS * KS; t++) w->kr[t] = w->vr[t] = zero;
@@ -178,6 +187,8 @@ static void block(const run_t *c, work_t *w, int n, const int32_t *x, const vi *
             int32_t xt = x[t0 + u];
             for (int v = 0; v < NV; v++) {
                 vi ok = (xt < a[v]) | ((xt >= a2[v]) & (xt <= b[v]));
+                if (shared)
+                    ok &= ((shared->klo[t0 + u] & shared->qlo[v]) | (shared->khi[t0 + u] & shared->qhi[v])) == 0;
                 vf sc = sel(ok, acc[u][v], splat(-INFINITY));
                 s[(t0 + u) * NV + v] = sc;
                 mx[v] = vmax(mx[v], sc);
@@ -212,6 +223,7 @@ static void finish_tile(const run_t *c, work_t *w, const int64_t *rows, int n, i
         float m = w->m[i / W][i % W], l = w->l[i / W][i % W], lse = m + logf(l), *o = w->o + i * c->d;
         int64_t row = rows[i], at = row / c->lq * c->o_hs + row % c->lq * c->o_ps;
         float a = 0.f, b = 1.f / l;
+        if (merge && l == 0.f) continue; /* every key of the tile was computed in an earlier shared group */
         if (merge) {
             float old = c->lse[row], hi = old > lse ? old : lse, total = hi + logf(expf(old - hi) + expf(lse - hi));
             a = expf(old - total);
@@ -243,28 +255,38 @@ static void local_tile(const run_t *c, work_t *w, int64_t r, int64_t i0, int n) 
     int cnt = 0;
     for (int64_t j = 0; j < nsink + (p1 > lo ? p1 - lo : 0); j++) {
         pos[cnt++] = (int32_t)(j < nsink ? j : lo + j - nsink);
-        if (cnt == KB) gather(c, w, pos, cnt), block(c, w, cnt, pos, a, a2, b), cnt = 0;
+        if (cnt == KB) gather(c, w, pos, cnt), block(c, w, cnt, pos, a, a2, b, NULL), cnt = 0;
     }
-    if (cnt) gather(c, w, pos, cnt), block(c, w, cnt, pos, a, a2, b);
+    if (cnt) gather(c, w, pos, cnt), block(c, w, cnt, pos, a, a2, b, NULL);
     finish_tile(c, w, rows, n, 0);
 }
 
-/* Far tile: copies [c0, c1) of one group (rows, key prefixes hi), its key list. */
-static void far_tile(const run_t *c, work_t *w, const int32_t *rows32, const int32_t *hi, int n, const int32_t *list) {
+/* Far tile: copies [c0, c1) of group g (rows, key prefixes hi), its key list; qbits/kbits (the rows' and keys'
+   groups as bitmasks) where a pair can share several groups, else NULL. */
+static void far_tile(const run_t *c, work_t *w, const int32_t *rows32, const int32_t *hi, int n, const int32_t *list,
+                     int64_t g, const int64_t *qbits, const int64_t *kbits) {
     int64_t rows[NR];
     vi a[NV], a2[NV], b[NV];
+    shared_t shared;
     for (int i = 0; i < NR; i++) {
         rows[i] = rows32[i < n ? i : 0];
         a[i / W][i % W] = i < n ? hi[i] : 0;
         a2[i / W][i % W] = 1, b[i / W][i % W] = 0; /* no second range */
+        uint64_t below = qbits ? (uint64_t)qbits[rows[i]] & ((UINT64_C(1) << g) - 1) : 0;
+        shared.qlo[i / W][i % W] = (int32_t)(uint32_t)below, shared.qhi[i / W][i % W] = (int32_t)(uint32_t)(below >> 32);
     }
     start_tile(c, w, rows, n);
     int32_t x[KB];
     for (int32_t t0 = 0; t0 < hi[n - 1]; t0 += KB) {
         int cnt = hi[n - 1] - t0 < KB ? hi[n - 1] - t0 : KB;
         for (int t = 0; t < cnt; t++) x[t] = t0 + t;
+        if (kbits)
+            for (int t = 0; t < cnt; t++) {
+                uint64_t bits = (uint64_t)kbits[list[t0 + t]];
+                shared.klo[t] = (int32_t)(uint32_t)bits, shared.khi[t] = (int32_t)(uint32_t)(bits >> 32);
+            }
         gather(c, w, list + t0, cnt);
-        block(c, w, cnt, x, a, a2, b);
+        block(c, w, cnt, x, a, a2, b, kbits ? &shared : NULL);
     }
     finish_tile(c, w, rows, n, 1);
 }
@@ -273,18 +295,23 @@ static void far_tile(const run_t *c, work_t *w, const int32_t *rows32, const int
    kstart [G + 1], klist [lk * kk]: each group's keys past the sinks, ascending (counting sort);
    cstart [G + 1], crow/chi [r * lq * kq]: each group's query copies that see a far key, ascending by position, as
    (row, key prefix); ctiles [G + 1], tiles [2 * r * lq * kq]: runs of at most NR copies of a group whose prefixes
-   differ by at most FAR_TAIL keys, [c0, c1) into crow. Returns 0, or 2 on a bad argument. */
+   differ by at most FAR_TAIL keys, [c0, c1) into crow; qbits [r * lq], kbits [lk]: every row's and key's groups as
+   a bitmask (read where a pair can share several groups). Returns 0, or 2 on a bad argument. */
 int focus_prefill_plan(int64_t r, int64_t lq, int64_t lk, int64_t window, int64_t sinks, int64_t groups_n,
                        const int64_t *q_groups, int64_t kq, const int64_t *k_groups, int64_t kk, int64_t *kstart,
                        int32_t *klist, int64_t *cstart, int32_t *crow, int32_t *chi, int64_t *ctiles,
-                       int32_t *tiles) {
-    if (r < 1 || lq < 1 || lk < lq || window < 1 || sinks < 0 || groups_n < 1 || kq < 1 || kk < 1 || lk >= NONE ||
-        r * lq * kq >= NONE)
+                       int32_t *tiles, int64_t *qbits, int64_t *kbits) {
+    if (r < 1 || lq < 1 || lk < lq || window < 1 || sinks < 0 || groups_n < 1 || groups_n > 63 || kq < 1 || kk < 1 ||
+        lk >= NONE || r * lq * kq >= NONE)
         return 2;
     for (int64_t i = 0; i < r * lq * kq; i++)
         if (q_groups[i] < 0 || q_groups[i] >= groups_n) return 2;
     for (int64_t i = 0; i < lk * kk; i++)
         if (k_groups[i] < 0 || k_groups[i] >= groups_n) return 2;
+    memset(qbits, 0, sizeof(int64_t) * r * lq);
+    memset(kbits, 0, sizeof(int64_t) * lk);
+    for (int64_t i = 0; i < r * lq * kq; i++) qbits[i / kq] |= INT64_C(1) << q_groups[i];
+    for (int64_t i = 0; i < lk * kk; i++) kbits[i / kk] |= INT64_C(1) << k_groups[i];
     int64_t start = lk - lq, *fill = ctiles; /* (ctiles: the fill counts, then each group's key pointer) */
     memset(kstart, 0, sizeof(int64_t) * (groups_n + 1));
     memset(cstart, 0, sizeof(int64_t) * (groups_n + 1));
@@ -337,10 +364,12 @@ int focus_prefill(int64_t r, int64_t lq, int64_t lk, int64_t d, const void *q, i
                   const void *k, int64_t k_ps, const void *v, int64_t v_ps, void *out, int64_t o_hs, int64_t o_ps,
                   int bf16, float scale, int64_t window, int64_t sinks, int64_t groups_n, int64_t kq,
                   const int64_t *kstart, const int32_t *klist, const int64_t *cstart, const int32_t *crow,
-                  const int32_t *chi, const int64_t *ctiles, const int32_t *tiles, int threads, float *lse) {
+                  const int32_t *chi, const int64_t *ctiles, const int32_t *tiles, const int64_t *qbits,
+                  const int64_t *kbits, int64_t kk, int threads, float *lse) {
     if (r < 1 || lq < 1 || lk < lq || d < W || d > MAX_D || d % W || window < 1 || sinks < 0 || groups_n < 1 ||
-        kq < 1 || threads < 1)
+        groups_n > 63 || kq < 1 || kk < 1 || threads < 1)
         return 2;
+    int shared = kq > 1 && kk > 1; /* a pair can share several groups */
     run_t c = {r, lq, lk, d, q, k, v, out, q_hs, q_ps, k_ps, v_ps, o_hs, o_ps, bf16, scale, lk - lq, window, sinks,
                lse};
     int64_t local_per_head = (lq + NR - 1) / NR, failed = 0;
@@ -362,7 +391,8 @@ int focus_prefill(int64_t r, int64_t lq, int64_t lk, int64_t d, const void *q, i
                 int32_t c0 = tiles[2 * t], c1 = tiles[2 * t + 1];
                 int64_t g = 0;
                 while (cstart[g + 1] <= c0) g++;
-                far_tile(&c, w, crow + c0, chi + c0, c1 - c0, klist + kstart[g]);
+                far_tile(&c, w, crow + c0, chi + c0, c1 - c0, klist + kstart[g], g, shared ? qbits : NULL,
+                         shared ? kbits : NULL);
             }
         }
         free(w);
