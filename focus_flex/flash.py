@@ -114,7 +114,8 @@ class FarPlan(NamedTuple):
 
     @property
     def pairs(self) -> int:
-        """Far (query, key) pairs the plan allows."""
+        """Far (query, key) pairs the plan lists (with query and key top-k both above 1 the PyTorch parts do not run
+        such a plan: a pair sharing s groups is listed s times)."""
         return int((self.hi - self.lo).sum())
 
 

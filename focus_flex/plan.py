@@ -118,7 +118,8 @@ class FarPlan:
 
     @property
     def pairs(self) -> int:
-        """Far (query, key) pairs the layout allows, over all its heads (a host read: for statistics only)."""
+        """Far (query, key) pairs the layout lists, over all its heads (a host read: for statistics only;
+        with query and key top-k both above 1, a pair sharing s groups is listed s times)."""
         return int((self.hi - self.lo).sum())
 
 
