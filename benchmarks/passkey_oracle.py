@@ -13,6 +13,10 @@ dense SDPA with the pattern as mask) plus one kind of extra pairs:
 * ``denominator`` — no pairs added, but the pairs the pattern drops still count in each row's softmax normaliser
   (full attention's probabilities on the kept pairs, not renormalised to them: the dropped keys act as a sink whose
   value is zero);
+* ``best-pairs`` — in every head the pattern's far pairs (neither window nor sink nor tail) are replaced by as many
+  far pairs of highest full-attention probability, chosen over the head's whole prefill: what a routing that picked
+  the best pairs at Focus's cost would keep (its threshold is estimated from a sample of the head's pairs, so its
+  density is Focus's to within a few tenths of a percent; both are printed with the attention mass they keep);
 * ``summaries`` — every query also attends one summary per block of ``SUMMARY_BLOCK`` keys that lies wholly before
   its window (the block's mean key with a logit bias of log(block), its mean value): a cheap view of all the far
   context besides the groups.
@@ -35,6 +39,7 @@ forward) for the duration of the run.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import math
@@ -49,12 +54,13 @@ from torch import nn
 import focus_flex.adapter
 from benchmarks.bench import machine_info
 from focus_flex import FocusAdapter, FocusConfig
-from focus_flex.attention import focus_pattern
-from focus_flex.cli import layer_head
+from focus_flex.attention import dense_decode, focus_pattern, near_pairs, tail_rows
+from focus_flex.cli import keep_freed_memory, layer_head
 from focus_flex.models import load_model
 from focus_flex.passkey import PrefillMeter, greedy_answer, load_passkey, score
 
-VARIANTS = ("none", "decode", "tail", "needle", "needle-rows", "denominator", "summaries")
+VARIANTS = ("none", "decode", "tail", "needle", "needle-rows", "denominator", "summaries", "best-pairs")
+BEST_PAIRS_SAMPLE = 1 << 21
 SUMMARY_BLOCK = 64
 
 
@@ -130,7 +136,50 @@ def block_summaries(block: int = SUMMARY_BLOCK):
 
 
 @contextlib.contextmanager
-def extra_pairs(variant: str, prompt_len: int, needle: tuple[int, int], tail: int):
+def best_pairs(stats: dict[str, list[float]] | None = None):
+    """The reference path with each head's far pairs chosen by full attention's probabilities (``best-pairs``), one
+    head at a time; appends each prefill head's density and kept attention mass, Focus's and the chosen pattern's, to
+    ``stats``. Batch 1 without padding; the threshold is exact up to ``BEST_PAIRS_SAMPLE`` pairs per head."""
+    stats = collections.defaultdict(list) if stats is None else stats
+
+    def attention(q, k, v, centroids, config, *, attention_mask=None, scale=None, centering=None):
+        mask = focus_pattern(q, k, centroids, config, attention_mask=attention_mask, centering=centering)
+        lq, lk, group = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
+        if q.shape[0] != 1 or attention_mask is not None and not attention_mask.all():
+            raise ValueError("best-pairs takes one prompt without padding")
+        if dense_decode(config.dense_decode, lq):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        pos = torch.arange(lk)
+        real = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
+        local = real & (near_pairs(pos[lk - lq:], pos, config) | tail_rows(lq, config, q.device))
+        far = real & ~local
+        sample = None
+        if lq * lk > BEST_PAIRS_SAMPLE:
+            sample = torch.randint(lq * lk, (BEST_PAIRS_SAMPLE,), generator=torch.Generator().manual_seed(0))
+        out = torch.empty_like(q)
+        for h in range(q.shape[1]):
+            scores = (q[0, h] @ k[0, h // group].T) * (scale or q.shape[-1] ** -0.5)
+            logp = scores.masked_fill(~real, float("-inf")).log_softmax(-1)
+            kept = int((mask[0, h] & far).sum())
+            candidates = logp.masked_fill(~far, float("-inf")).flatten()
+            pool = candidates if sample is None else candidates[sample]
+            rank = max(1, round(kept / candidates.numel() * pool.numel()))
+            threshold = pool.topk(rank).values[-1] if kept else float("inf")
+            chosen = local | far & (logp >= threshold)
+            p = logp.exp()
+            for name, m in (("focus", mask[0, h]), ("best", chosen)):
+                stats[f"{name} density"].append(float(m.sum() / real.sum()))
+                stats[f"{name} mass"].append(float((p * m).sum() / lq))
+            out[0, h] = logp.masked_fill(~chosen, float("-inf")).softmax(-1) @ v[0, h // group]
+        return out
+
+    with mock.patch.object(focus_flex.adapter, "reference_attention", attention):
+        yield
+
+
+@contextlib.contextmanager
+def extra_pairs(variant: str, prompt_len: int, needle: tuple[int, int], tail: int,
+                stats: dict[str, list[float]] | None = None):
     """The reference path with ``variant``'s pairs allowed on top of the Focus pattern (``tail``, ``needle``,
     ``needle-rows``); the others run the library as it is."""
 
@@ -144,6 +193,10 @@ def extra_pairs(variant: str, prompt_len: int, needle: tuple[int, int], tail: in
             return mask | ((rows >= needle[0]) & (rows < needle[1]) & causal)
         return mask | ((cols >= needle[0]) & (cols < needle[1]) & causal)
 
+    if variant == "best-pairs":
+        with best_pairs(stats):
+            yield
+        return
     if variant in ("denominator", "summaries"):
         with full_denominator() if variant == "denominator" else block_summaries():
             yield
@@ -241,6 +294,7 @@ def main() -> None:
     args = parser.parse_args()
     if bool(args.wide_layers) != (args.wide_top_k is not None):
         parser.error("--wide-layers and --wide-top-k go together")
+    keep_freed_memory()  # the focus-flex command's allocator setting: the dense [L, L] temporaries stay in the heap
     print(" | ".join(f"{k}: {v}" for k, v in machine_info().items()))
     model, tokenizer = load_model()
     model.eval()
@@ -266,9 +320,10 @@ def main() -> None:
         for r in solved:
             prompt = r.prompt.build(tokenizer, r.key)
             t0 = time.perf_counter()
+            stats = collections.defaultdict(list)
             meter = PrefillMeter(adapter)
             try:
-                with extra_pairs(variant, len(prompt.input_ids), prompt.needle, args.tail), \
+                with extra_pairs(variant, len(prompt.input_ids), prompt.needle, args.tail, stats), \
                         dense_rows(*(args.dense_rows or (0, 0))), \
                         wide_layers(args.wide_layers, *(args.wide_top_k or (0, 0))):
                     answer = greedy_answer(model, tokenizer, prompt.input_ids)
@@ -279,6 +334,9 @@ def main() -> None:
             print(f"{variant:6s} {r.haystack:6s} {r.length:5d} {r.depth:3d}% key {r.key_number} {r.key}: {answer!r} "
                   f"{'correct' if correct else 'wrong'}, density {100 * densities[-1]:.1f}% "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            if stats:
+                print("       prefill heads, mean: " + ", ".join(
+                    f"{name} {100 * sum(x) / len(x):.1f}%" for name, x in stats.items()), flush=True)
         totals[variant] = f"{hits}/{len(solved)} (density {100 * sum(densities) / len(densities):.1f}%)"
     c = adapter.config
     print(f"keys full attention retrieves, retrieved by the adapter (Focus layers {c.layers}, dense tail "

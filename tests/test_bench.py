@@ -419,3 +419,39 @@ def test_prompt_ablation_scores_the_key_as_generation_does():
         if name not in ("passkey", "key format"):
             assert text != PromptText(), name
             assert tok.decode(build_prompt(tok, 300, 30, "58213", "filler", text=text).input_ids).count("58213") >= 1
+
+
+def test_passkey_oracle_best_pairs_keep_the_likeliest_far_pairs_at_focus_cost():
+    """``passkey_oracle --variants best-pairs``: in each head the window and sinks, plus as many far pairs as the Focus
+    pattern keeps there, those of highest full-attention probability (checked against a hand-built selection and
+    softmax); it keeps more attention mass than the pattern at the same density."""
+    import torch
+    import torch.nn.functional as F
+
+    import focus_flex.adapter
+    from benchmarks.passkey_oracle import best_pairs
+    from focus_flex import FocusConfig
+    from focus_flex.attention import focus_pattern
+
+    torch.manual_seed(0)
+    config = FocusConfig(num_groups=4, window=8, sink_tokens=2)
+    q, k, v = torch.randn(1, 4, 64, 16), torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
+    centroids = F.normalize(torch.randn(2, 4, 16), dim=-1)
+    stats = {"focus density": [], "focus mass": [], "best density": [], "best mass": []}
+    with best_pairs(stats):
+        out = focus_flex.adapter.reference_attention(q, k, v, centroids, config)
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    i, j = torch.arange(64)[:, None], torch.arange(64)[None, :]
+    causal = j <= i
+    local = causal & ((i - j < 8) | (j < 2))
+    p = (q @ kk.transpose(-1, -2) / 4).masked_fill(~causal, float("-inf")).softmax(-1)[0]  # [4, 64, 64]
+    far_kept = (focus_pattern(q, k, centroids, config)[0] & ~local).flatten(1).sum(-1)  # [4]
+    chosen = local.expand(4, -1, -1).clone()
+    for h in range(4):
+        order = p[h].masked_fill(~causal | local, -1.0).flatten().argsort(descending=True)[:int(far_kept[h])]
+        chosen[h].view(-1)[order] = True
+    expected = (p * chosen / (p * chosen).sum(-1, keepdim=True)) @ vv[0]
+    assert torch.allclose(out[0], expected, atol=1e-5)
+    assert stats["best density"] == pytest.approx(stats["focus density"], abs=1e-9)
+    assert all(b > f for b, f in zip(stats["best mass"], stats["focus mass"], strict=True))
+    assert not torch.allclose(out, focus_flex.attention.reference_attention(q, k, v, centroids, config), atol=1e-3)
