@@ -17,6 +17,7 @@ dense SDPA with the pattern as mask) plus one kind of extra pairs:
   far pairs of highest full-attention probability, chosen over the head's whole prefill: what a routing that picked
   the best pairs at Focus's cost would keep (its threshold is estimated from a sample of the head's pairs, so its
   density is Focus's to within a few tenths of a percent; both are printed with the attention mass they keep);
+  ``--best-density F`` chooses as many as make F of each head's causal pairs instead;
 * ``summaries`` — every query also attends one summary per block of ``SUMMARY_BLOCK`` keys that lies wholly before
   its window (the block's mean key with a logit bias of log(block), its mean value): a cheap view of all the far
   context besides the groups.
@@ -136,10 +137,12 @@ def block_summaries(block: int = SUMMARY_BLOCK):
 
 
 @contextlib.contextmanager
-def best_pairs(stats: dict[str, list[float]] | None = None):
+def best_pairs(stats: dict[str, list[float]] | None = None, density: float | None = None):
     """The reference path with each head's far pairs chosen by full attention's probabilities (``best-pairs``), one
     head at a time; appends each prefill head's density and kept attention mass, Focus's and the chosen pattern's, to
-    ``stats``. Batch 1 without padding; the threshold is exact up to ``BEST_PAIRS_SAMPLE`` pairs per head."""
+    ``stats``. ``density``: as many far pairs as make that share of each head's causal pairs (default: as many as the
+    Focus pattern keeps there). Batch 1 without padding; the threshold is exact up to ``BEST_PAIRS_SAMPLE`` pairs per
+    head."""
     stats = collections.defaultdict(list) if stats is None else stats
 
     def attention(q, k, v, centroids, config, *, attention_mask=None, scale=None, centering=None):
@@ -160,7 +163,8 @@ def best_pairs(stats: dict[str, list[float]] | None = None):
         for h in range(q.shape[1]):
             scores = (q[0, h] @ k[0, h // group].T) * (scale or q.shape[-1] ** -0.5)
             logp = scores.masked_fill(~real, float("-inf")).log_softmax(-1)
-            kept = int((mask[0, h] & far).sum())
+            kept = int((mask[0, h] & far).sum()) if density is None else max(0, round(
+                density * int(real.sum())) - int(local.sum()))
             candidates = logp.masked_fill(~far, float("-inf")).flatten()
             pool = candidates if sample is None else candidates[sample]
             rank = max(1, round(kept / candidates.numel() * pool.numel()))
@@ -179,9 +183,10 @@ def best_pairs(stats: dict[str, list[float]] | None = None):
 
 @contextlib.contextmanager
 def extra_pairs(variant: str, prompt_len: int, needle: tuple[int, int], tail: int,
-                stats: dict[str, list[float]] | None = None):
+                stats: dict[str, list[float]] | None = None, density: float | None = None):
     """The reference path with ``variant``'s pairs allowed on top of the Focus pattern (``tail``, ``needle``,
-    ``needle-rows``); the others run the library as it is."""
+    ``needle-rows``), or instead of its far pairs (``best-pairs``: :func:`best_pairs` with ``stats`` and ``density``);
+    the others run the library as it is."""
 
     def widen(mask, q, k, centroids, config, *, attention_mask=None):
         lq, lk = q.shape[2], k.shape[2]
@@ -194,7 +199,7 @@ def extra_pairs(variant: str, prompt_len: int, needle: tuple[int, int], tail: in
         return mask | ((cols >= needle[0]) & (cols < needle[1]) & causal)
 
     if variant == "best-pairs":
-        with best_pairs(stats):
+        with best_pairs(stats, density):
             yield
         return
     if variant in ("denominator", "summaries"):
@@ -274,6 +279,8 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--depths", type=int, nargs="+", default=None, help="needle depths (default: all)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--best-density", type=float, default=None,
+                        help="best-pairs: that share of each head's causal pairs (default: the Focus pattern's)")
     parser.add_argument("--tail", type=int, default=24, help="prompt tokens the tail variant adds")
     parser.add_argument("--dense-tail", type=int, default=None,
                         help="FocusConfig.dense_tail for every variant (default: the adapter's)")
@@ -292,6 +299,8 @@ def main() -> None:
     parser.add_argument("--dense-rows", type=int, nargs=2, default=None, metavar=("A", "B"),
                         help="the prompt's queries at positions [A, B) attend fully in every layer")
     args = parser.parse_args()
+    if args.best_density is not None and not 0 < args.best_density <= 1:
+        parser.error(f"--best-density is a share of the causal pairs in (0, 1]; got {args.best_density}")
     if bool(args.wide_layers) != (args.wide_top_k is not None):
         parser.error("--wide-layers and --wide-top-k go together")
     keep_freed_memory()  # the focus-flex command's allocator setting: the dense [L, L] temporaries stay in the heap
@@ -323,7 +332,8 @@ def main() -> None:
             stats = collections.defaultdict(list)
             meter = PrefillMeter(adapter)
             try:
-                with extra_pairs(variant, len(prompt.input_ids), prompt.needle, args.tail, stats), \
+                with extra_pairs(variant, len(prompt.input_ids), prompt.needle, args.tail, stats,
+                                 args.best_density), \
                         dense_rows(*(args.dense_rows or (0, 0))), \
                         wide_layers(args.wide_layers, *(args.wide_top_k or (0, 0))):
                     answer = greedy_answer(model, tokenizer, prompt.input_ids)

@@ -455,3 +455,8 @@ def test_passkey_oracle_best_pairs_keep_the_likeliest_far_pairs_at_focus_cost():
     assert stats["best density"] == pytest.approx(stats["focus density"], abs=1e-9)
     assert all(b > f for b, f in zip(stats["best mass"], stats["focus mass"], strict=True))
     assert not torch.allclose(out, focus_flex.attention.reference_attention(q, k, v, centroids, config), atol=1e-3)
+    denser = {"focus density": [], "focus mass": [], "best density": [], "best mass": []}
+    with best_pairs(denser, density=0.6):  # a budget of its own: 60% of each head's causal pairs
+        focus_flex.adapter.reference_attention(q, k, v, centroids, config)
+    assert denser["best density"] == pytest.approx([0.6] * 4, abs=1 / causal.sum().item())
+    assert all(b > f for b, f in zip(denser["best mass"], stats["best mass"], strict=True))
