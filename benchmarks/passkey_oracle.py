@@ -18,6 +18,8 @@ dense SDPA with the pattern as mask) plus one kind of extra pairs:
   the best pairs at Focus's cost would keep (its threshold is estimated from a sample of the head's pairs, so its
   density is Focus's to within a few tenths of a percent; both are printed with the attention mass they keep);
   ``--best-density F`` chooses as many as make F of each head's causal pairs instead;
+* ``best-rows`` — as ``best-pairs``, but each query keeps as many far pairs as the pattern gives it, its likeliest:
+  as many pairs in every row as Focus, chosen by full attention;
 * ``summaries`` — every query also attends one summary per block of ``SUMMARY_BLOCK`` keys that lies wholly before
   its window (the block's mean key with a logit bias of log(block), its mean value): a cheap view of all the far
   context besides the groups.
@@ -60,7 +62,8 @@ from focus_flex.cli import keep_freed_memory, layer_head
 from focus_flex.models import load_model
 from focus_flex.passkey import PrefillMeter, greedy_answer, load_passkey, score
 
-VARIANTS = ("none", "decode", "tail", "needle", "needle-rows", "denominator", "summaries", "best-pairs")
+VARIANTS = ("none", "decode", "tail", "needle", "needle-rows", "denominator", "summaries", "best-pairs",
+            "best-rows")
 BEST_PAIRS_SAMPLE = 1 << 21
 SUMMARY_BLOCK = 64
 
@@ -137,12 +140,15 @@ def block_summaries(block: int = SUMMARY_BLOCK):
 
 
 @contextlib.contextmanager
-def best_pairs(stats: dict[str, list[float]] | None = None, density: float | None = None):
+def best_pairs(stats: dict[str, list[float]] | None = None, density: float | None = None, per_row: bool = False):
     """The reference path with each head's far pairs chosen by full attention's probabilities (``best-pairs``), one
     head at a time; appends each prefill head's density and kept attention mass, Focus's and the chosen pattern's, to
     ``stats``. ``density``: as many far pairs as make that share of each head's causal pairs (default: as many as the
-    Focus pattern keeps there). Batch 1 without padding; the threshold is exact up to ``BEST_PAIRS_SAMPLE`` pairs per
-    head."""
+    Focus pattern keeps there). With ``per_row`` every query keeps as many far pairs as the Focus pattern gives it, its
+    likeliest (``best-rows``). Batch 1 without padding; the head-wide threshold is exact up to ``BEST_PAIRS_SAMPLE``
+    pairs per head."""
+    if per_row and density is not None:
+        raise ValueError("best-rows keeps the Focus pattern's count in each row: it takes no density")
     stats = collections.defaultdict(list) if stats is None else stats
 
     def attention(q, k, v, centroids, config, *, attention_mask=None, scale=None, centering=None):
@@ -163,13 +169,18 @@ def best_pairs(stats: dict[str, list[float]] | None = None, density: float | Non
         for h in range(q.shape[1]):
             scores = (q[0, h] @ k[0, h // group].T) * (scale or q.shape[-1] ** -0.5)
             logp = scores.masked_fill(~real, float("-inf")).log_softmax(-1)
-            kept = int((mask[0, h] & far).sum()) if density is None else max(0, round(
-                density * int(real.sum())) - int(local.sum()))
-            candidates = logp.masked_fill(~far, float("-inf")).flatten()
-            pool = candidates if sample is None else candidates[sample]
-            rank = max(1, round(kept / candidates.numel() * pool.numel()))
-            threshold = pool.topk(rank).values[-1] if kept else float("inf")
-            chosen = local | far & (logp >= threshold)
+            candidates = logp.masked_fill(~far, float("-inf"))
+            if per_row:
+                counts = (mask[0, h] & far).sum(-1, keepdim=True)  # [Lq, 1]
+                top = candidates.topk(int(counts.max()), dim=-1).indices
+                chosen = local.scatter(-1, top, torch.arange(top.shape[-1]) < counts) | local
+            else:
+                kept = int((mask[0, h] & far).sum()) if density is None else max(0, round(
+                    density * int(real.sum())) - int(local.sum()))
+                pool = candidates.flatten() if sample is None else candidates.flatten()[sample]
+                rank = max(1, round(kept / candidates.numel() * pool.numel()))
+                threshold = pool.topk(rank).values[-1] if kept else float("inf")
+                chosen = local | far & (logp >= threshold)
             p = logp.exp()
             for name, m in (("focus", mask[0, h]), ("best", chosen)):
                 stats[f"{name} density"].append(float(m.sum() / real.sum()))
@@ -185,7 +196,8 @@ def best_pairs(stats: dict[str, list[float]] | None = None, density: float | Non
 def extra_pairs(variant: str, prompt_len: int, needle: tuple[int, int], tail: int,
                 stats: dict[str, list[float]] | None = None, density: float | None = None):
     """The reference path with ``variant``'s pairs allowed on top of the Focus pattern (``tail``, ``needle``,
-    ``needle-rows``), or instead of its far pairs (``best-pairs``: :func:`best_pairs` with ``stats`` and ``density``);
+    ``needle-rows``), or instead of its far pairs (``best-pairs``, ``best-rows``: :func:`best_pairs` with ``stats``
+    and ``density``);
     the others run the library as it is."""
 
     def widen(mask, q, k, centroids, config, *, attention_mask=None):
@@ -198,8 +210,8 @@ def extra_pairs(variant: str, prompt_len: int, needle: tuple[int, int], tail: in
             return mask | ((rows >= needle[0]) & (rows < needle[1]) & causal)
         return mask | ((cols >= needle[0]) & (cols < needle[1]) & causal)
 
-    if variant == "best-pairs":
-        with best_pairs(stats, density):
+    if variant in ("best-pairs", "best-rows"):
+        with best_pairs(stats, density, per_row=variant == "best-rows"):
             yield
         return
     if variant in ("denominator", "summaries"):
@@ -301,6 +313,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.best_density is not None and not 0 < args.best_density <= 1:
         parser.error(f"--best-density is a share of the causal pairs in (0, 1]; got {args.best_density}")
+    if args.best_density is not None and args.variants != ["best-pairs"]:
+        parser.error("--best-density sets the budget of the best-pairs variant: pass --variants best-pairs")
     if bool(args.wide_layers) != (args.wide_top_k is not None):
         parser.error("--wide-layers and --wide-top-k go together")
     keep_freed_memory()  # the focus-flex command's allocator setting: the dense [L, L] temporaries stay in the heap

@@ -460,3 +460,13 @@ def test_passkey_oracle_best_pairs_keep_the_likeliest_far_pairs_at_focus_cost():
         focus_flex.adapter.reference_attention(q, k, v, centroids, config)
     assert denser["best density"] == pytest.approx([0.6] * 4, abs=1 / causal.sum().item())
     assert all(b > f for b, f in zip(denser["best mass"], stats["best mass"], strict=True))
+    rows = {"focus density": [], "focus mass": [], "best density": [], "best mass": []}
+    with best_pairs(rows, per_row=True):  # best-rows: each query keeps as many far pairs as Focus gives it
+        out = focus_flex.adapter.reference_attention(q, k, v, centroids, config)
+    far_kept = (focus_pattern(q, k, centroids, config)[0] & ~local).sum(-1)  # [4, 64]
+    ranks = p.masked_fill(~causal | local, -1.0).argsort(-1, descending=True).argsort(-1)
+    chosen = local | (ranks < far_kept[..., None])
+    expected = (p * chosen / (p * chosen).sum(-1, keepdim=True)) @ vv[0]
+    assert torch.allclose(out[0], expected, atol=1e-5)
+    assert rows["best density"] == pytest.approx(rows["focus density"], abs=1e-9)
+    assert all(f <= r < b for f, r, b in zip(rows["focus mass"], rows["best mass"], stats["best mass"], strict=True))
