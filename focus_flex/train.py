@@ -1,6 +1,6 @@
 """Training Focus centroids on a frozen model: only ``adapter.centroids`` ever change.
 
-Two objectives:
+Three objectives:
 
 * ``distill`` (layer-local, the CPU default). A frozen forward pass with the model's own attention
   records every layer's post-RoPE queries, keys and values (:func:`capture_qkv`); no gradient goes through
