@@ -57,7 +57,7 @@ from torch import nn
 import focus_flex.adapter
 from benchmarks.bench import machine_info
 from focus_flex import FocusAdapter, FocusConfig
-from focus_flex.attention import dense_decode, focus_pattern, near_pairs, tail_rows
+from focus_flex.attention import dense_decode, focus_pattern, near_pairs, reference_attention, tail_rows
 from focus_flex.cli import keep_freed_memory, layer_head
 from focus_flex.models import load_model
 from focus_flex.passkey import PrefillMeter, greedy_answer, load_passkey, score
@@ -152,12 +152,12 @@ def best_pairs(stats: dict[str, list[float]] | None = None, density: float | Non
     stats = collections.defaultdict(list) if stats is None else stats
 
     def attention(q, k, v, centroids, config, *, attention_mask=None, scale=None, centering=None):
-        mask = focus_pattern(q, k, centroids, config, attention_mask=attention_mask, centering=centering)
-        lq, lk, group = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
         if q.shape[0] != 1 or attention_mask is not None and not attention_mask.all():
-            raise ValueError("best-pairs takes one prompt without padding")
+            raise ValueError("best-pairs and best-rows take one prompt without padding")
+        lq, lk, group = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
         if dense_decode(config.dense_decode, lq):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            return reference_attention(q, k, v, centroids, config, scale=scale, centering=centering)
+        mask = focus_pattern(q, k, centroids, config, centering=centering)
         pos = torch.arange(lk)
         real = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
         local = real & (near_pairs(pos[lk - lq:], pos, config) | tail_rows(lq, config, q.device))
@@ -173,7 +173,7 @@ def best_pairs(stats: dict[str, list[float]] | None = None, density: float | Non
             if per_row:
                 counts = (mask[0, h] & far).sum(-1, keepdim=True)  # [Lq, 1]
                 top = candidates.topk(int(counts.max()), dim=-1).indices
-                chosen = local.scatter(-1, top, torch.arange(top.shape[-1]) < counts) | local
+                chosen = local | torch.zeros_like(local).scatter(-1, top, torch.arange(top.shape[-1]) < counts)
             else:
                 kept = int((mask[0, h] & far).sum()) if density is None else max(0, round(
                     density * int(real.sum())) - int(local.sum()))
@@ -197,8 +197,7 @@ def extra_pairs(variant: str, prompt_len: int, needle: tuple[int, int], tail: in
                 stats: dict[str, list[float]] | None = None, density: float | None = None):
     """The reference path with ``variant``'s pairs allowed on top of the Focus pattern (``tail``, ``needle``,
     ``needle-rows``), or instead of its far pairs (``best-pairs``, ``best-rows``: :func:`best_pairs` with ``stats``
-    and ``density``);
-    the others run the library as it is."""
+    and ``density``); the others run the library as it is."""
 
     def widen(mask, q, k, centroids, config, *, attention_mask=None):
         lq, lk = q.shape[2], k.shape[2]
