@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -27,7 +26,6 @@ from torch.utils.checkpoint import checkpoint
 from focus_flex.attention import (
     DECODE_MAX_QUERIES,
     attention_weights,
-    default_kernel,
     focus_attention,
     key_validity,
     reference_attention,
@@ -244,12 +242,6 @@ class FocusAdapter(nn.Module):
             raise RuntimeError("A Focus adapter is already attached to this model; detach it first.")
         register()
         device = next(model.parameters()).device
-        if self.mode == "fast" and device.type == "cpu" and default_kernel(device, self.config) == "flex":
-            warnings.warn(f"focus_flex: query_top_k={self.config.query_top_k} and key_top_k={self.config.key_top_k} "
-                          "are both above 1 and the C kernels are unavailable, so on CPU the prefill runs on the flex "
-                          "kernel, several times slower than the flash kernel, whose PyTorch form needs one of them to "
-                          "be 1 (docs/speed.md). Install a C compiler, or set query_top_k or key_top_k to 1 for CPU "
-                          "speed.", RuntimeWarning, stacklevel=2)
         self.to(device)
         self._rotary = rotary_of(model) if self.config.center else None
         hooks = []

@@ -514,10 +514,12 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
         return decode_attention(q, k, v, valid, q.shape[-1] ** -0.5 if scale is None else scale)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     flex = (kernel or default_kernel(q.device, config, (q, k, v))) == "flex"
-    if flex and kernel is None and flash.supported(q.device, config):  # the C kernel is there, not for these inputs
+    if flex and kernel is None and q.device.type == "cpu":  # top-k above 1 for both, and no C kernel for them
+        why = (f"which does not take {q.dtype} q, k, v of head dim {q.shape[-1]} (native.prefill_applies)"
+               if flash.supported(q.device, config) else "and the C kernels are unavailable")
         warnings.warn(f"focus_flex: with query_top_k and key_top_k both above 1 the CPU flash kernel runs in C only, "
-                      f"which does not take {q.dtype} q, k, v of head dim {q.shape[-1]} (native.prefill_applies): "
-                      "this prefill runs on the slower flex kernel.", RuntimeWarning, stacklevel=2)
+                      f"{why}: this prefill runs on the flex kernel, several times slower (docs/speed.md). Set "
+                      "query_top_k or key_top_k to 1 for CPU speed.", RuntimeWarning, stacklevel=2)
     if flex and not grad and q.dim() == 4 and (key_index is None or q.shape[2] > DECODE_MAX_QUERIES):  # traceable
         valid = check_inputs(q, k, v, centroids, config, attention_mask)
         out = flex_prefill(q, k, v, centroids, config, valid, q.shape[-1] ** -0.5 if scale is None else scale,

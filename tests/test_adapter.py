@@ -506,22 +506,27 @@ def test_real_smollm2_decode_equals_reference():
     assert maxdiff(logits["fast"], logits["reference"]) <= 1e-3 * logits["reference"].abs().max().item()
 
 
-def test_attach_on_cpu_says_when_the_prefill_cannot_use_the_flash_kernel(monkeypatch):
+def test_cpu_prefill_says_when_it_cannot_use_the_flash_kernel(monkeypatch):
     """Top-k above 1 for both queries and keys runs on the flash kernel only in C: without the C kernels the prefill
-    runs on the slower flex kernel, and attach says so; with them, with one top-k at 1, or on the soft (training)
-    path, it attaches silently."""
+    runs on the slower flex kernel and says so, also when the top-k are raised after attaching; with them, with one
+    top-k at 1, or on the soft (training) path, it runs silently."""
     model = tiny("llama")
+    ids = torch.randint(0, model.config.vocab_size, (1, 40))
     both = FocusConfig(num_groups=4, query_top_k=2, key_top_k=2, window=8, sink_tokens=2)
-    for cfg, mode in ((both, "fast"), (FocusConfig(num_groups=4, query_top_k=2, key_top_k=1, window=8, sink_tokens=2),
-                                       "fast"), (both, "soft")):
+    one = FocusConfig(num_groups=4, query_top_k=2, key_top_k=1, window=8, sink_tokens=2)
+    for cfg, mode in ((both, "fast"), (one, "fast"), (both, "soft")):
         adapter = FocusAdapter.for_model(model, cfg)
         adapter.mode = mode
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
             adapter.attach(model)
+            model(ids)
         adapter.detach(model)
     monkeypatch.setenv("FOCUS_FLEX_NATIVE", "0")
-    slow = FocusAdapter.for_model(model, both)
-    with pytest.warns(RuntimeWarning, match="C kernels are unavailable.*flex kernel.*query_top_k or key_top_k to 1"):
+    for raise_after_attach in (False, True):
+        slow = FocusAdapter.for_model(model, one if raise_after_attach else both)
         slow.attach(model)
-    slow.detach(model)
+        slow.config.key_top_k = 2
+        with pytest.warns(RuntimeWarning, match="C kernels are unavailable.*flex kernel.*top_k to 1"):
+            model(ids)
+        slow.detach(model)
