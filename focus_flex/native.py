@@ -285,8 +285,8 @@ class PrefillPlan(NamedTuple):
     chi: torch.Tensor  # [R * Lq * kq] int32
     ctiles: torch.Tensor  # [G + 1] int64
     tiles: torch.Tensor  # [R * Lq * kq, 2] int32
-    qbits: torch.Tensor  # [R * Lq] int64
-    kbits: torch.Tensor  # [Lk] int64
+    qbits: torch.Tensor  # [R * Lq] int64 (empty unless query and key top-k are both above 1)
+    kbits: torch.Tensor  # [Lk] int64 (the same)
     query_top_k: int
     key_top_k: int
     shape: tuple[int, int, int]  # (R, Lq, Lk) it was planned for
@@ -304,13 +304,14 @@ def prefill_plan(q_groups: torch.Tensor, k_groups: torch.Tensor, config: FocusCo
     to ``k_groups`` ``[Lk, kk]``, one unpadded sequence and KV head. Needs :func:`library`."""
     (r, lq, kq), (lk, kk), g = q_groups.shape, k_groups.shape, config.num_groups
     qg, kg = q_groups.long().contiguous(), k_groups.long().contiguous()
-    copies = r * lq * kq
+    copies, shared = r * lq * kq, kq > 1 and kk > 1
     pattern = _pattern(config, lk)
     plan = PrefillPlan(torch.empty(g + 1, dtype=torch.long), torch.empty(lk * kk, dtype=torch.int32),
                        torch.empty(g + 1, dtype=torch.long), torch.zeros(copies, dtype=torch.int32),
                        torch.zeros(copies, dtype=torch.int32), torch.empty(g + 1, dtype=torch.long),
-                       torch.empty(copies, 2, dtype=torch.int32), torch.empty(r * lq, dtype=torch.long),
-                       torch.empty(lk, dtype=torch.long), kq, kk, (r, lq, lk), pattern)
+                       torch.empty(copies, 2, dtype=torch.int32),
+                       torch.empty(r * lq if shared else 0, dtype=torch.long),
+                       torch.empty(lk if shared else 0, dtype=torch.long), kq, kk, (r, lq, lk), pattern)
     code = library().focus_prefill_plan(r, lq, lk, pattern[1], pattern[2], g, qg.data_ptr(), kq,
                                         kg.data_ptr(), kk, *(x.data_ptr() for x in plan[:9]))
     _check(code, "prefill plan")

@@ -296,7 +296,8 @@ static void far_tile(const run_t *c, work_t *w, const int32_t *rows32, const int
    cstart [G + 1], crow/chi [r * lq * kq]: each group's query copies that see a far key, ascending by position, as
    (row, key prefix); ctiles [G + 1], tiles [2 * r * lq * kq]: runs of at most NR copies of a group whose prefixes
    differ by at most FAR_TAIL keys, [c0, c1) into crow; qbits [r * lq], kbits [lk]: every row's and key's groups as
-   a bitmask (read where a pair can share several groups). Returns 0, or 2 on a bad argument. */
+   a bitmask, only where a pair can share several groups (kq > 1 and kk > 1; else not touched, may be empty).
+   Returns 0, or 2 on a bad argument. */
 int focus_prefill_plan(int64_t r, int64_t lq, int64_t lk, int64_t window, int64_t sinks, int64_t groups_n,
                        const int64_t *q_groups, int64_t kq, const int64_t *k_groups, int64_t kk, int64_t *kstart,
                        int32_t *klist, int64_t *cstart, int32_t *crow, int32_t *chi, int64_t *ctiles,
@@ -308,10 +309,12 @@ int focus_prefill_plan(int64_t r, int64_t lq, int64_t lk, int64_t window, int64_
         if (q_groups[i] < 0 || q_groups[i] >= groups_n) return 2;
     for (int64_t i = 0; i < lk * kk; i++)
         if (k_groups[i] < 0 || k_groups[i] >= groups_n) return 2;
-    memset(qbits, 0, sizeof(int64_t) * r * lq);
-    memset(kbits, 0, sizeof(int64_t) * lk);
-    for (int64_t i = 0; i < r * lq * kq; i++) qbits[i / kq] |= INT64_C(1) << q_groups[i];
-    for (int64_t i = 0; i < lk * kk; i++) kbits[i / kk] |= INT64_C(1) << k_groups[i];
+    if (kq > 1 && kk > 1) {
+        memset(qbits, 0, sizeof(int64_t) * r * lq);
+        memset(kbits, 0, sizeof(int64_t) * lk);
+        for (int64_t i = 0; i < r * lq * kq; i++) qbits[i / kq] |= INT64_C(1) << q_groups[i];
+        for (int64_t i = 0; i < lk * kk; i++) kbits[i / kk] |= INT64_C(1) << k_groups[i];
+    }
     int64_t start = lk - lq, *fill = ctiles; /* (ctiles: the fill counts, then each group's key pointer) */
     memset(kstart, 0, sizeof(int64_t) * (groups_n + 1));
     memset(cstart, 0, sizeof(int64_t) * (groups_n + 1));
