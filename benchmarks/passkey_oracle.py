@@ -18,6 +18,9 @@ dense SDPA with the pattern as mask) plus one kind of extra pairs:
   the best pairs at Focus's cost would keep (its threshold is estimated from a sample of the head's pairs, so its
   density is Focus's to within a few tenths of a percent; both are printed with the attention mass they keep);
   ``--best-density F`` chooses as many as make F of each head's causal pairs instead;
+* ``best-error`` — as ``best-pairs``, but the far pairs that move the head's output most when dropped one at a time
+  (pair (i, j) alone moves row i's output by ``p_ij |o_i - v_j| / (1 - p_ij)``, o the full attention output): the
+  pairs an objective on the layer's output error would keep, rather than those of highest probability;
 * ``best-rows`` — as ``best-pairs``, but each query keeps as many far pairs as the pattern gives it, its likeliest:
   as many pairs in every row as Focus, chosen by full attention;
 * ``summaries`` — every query also attends one summary per block of ``SUMMARY_BLOCK`` keys that lies wholly before
@@ -63,7 +66,7 @@ from focus_flex.models import load_model
 from focus_flex.passkey import PrefillMeter, greedy_answer, load_passkey, score
 
 VARIANTS = ("none", "decode", "tail", "needle", "needle-rows", "denominator", "summaries", "best-pairs",
-            "best-rows")
+            "best-error", "best-rows")
 BEST_PAIRS_SAMPLE = 1 << 21
 SUMMARY_BLOCK = 64
 
@@ -140,11 +143,13 @@ def block_summaries(block: int = SUMMARY_BLOCK):
 
 
 @contextlib.contextmanager
-def best_pairs(stats: dict[str, list[float]] | None = None, density: float | None = None, per_row: bool = False):
-    """The reference path with each head's far pairs chosen by full attention's probabilities (``best-pairs``), one
-    head at a time; appends each prefill head's density and kept attention mass, Focus's and the chosen pattern's, to
-    ``stats``. ``density``: as many far pairs as make that share of each head's causal pairs (default: as many as the
-    Focus pattern keeps there). With ``per_row`` every query keeps as many far pairs as the Focus pattern gives it, its
+def best_pairs(stats: dict[str, list[float]] | None = None, density: float | None = None, per_row: bool = False,
+               by_error: bool = False):
+    """The reference path with each head's far pairs chosen by full attention's probabilities (``best-pairs``), or
+    with ``by_error`` by how far dropping each alone moves its row's output (``best-error``), one head at a time;
+    appends each prefill head's density and kept attention mass, Focus's and the chosen pattern's, to ``stats``.
+    ``density``: as many far pairs as make that share of each head's causal pairs (default: as many as the Focus
+    pattern keeps there). With ``per_row`` every query keeps as many far pairs as the Focus pattern gives it, its
     likeliest (``best-rows``). Batch 1 without padding; the head-wide threshold is exact up to ``BEST_PAIRS_SAMPLE``
     pairs per head."""
     if per_row and density is not None:
@@ -153,7 +158,7 @@ def best_pairs(stats: dict[str, list[float]] | None = None, density: float | Non
 
     def attention(q, k, v, centroids, config, *, attention_mask=None, scale=None, centering=None):
         if q.shape[0] != 1 or attention_mask is not None and not attention_mask.all():
-            raise ValueError("best-pairs and best-rows take one prompt without padding")
+            raise ValueError("best-pairs, best-error and best-rows take one prompt without padding")
         lq, lk, group = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
         if dense_decode(config.dense_decode, lq):
             return reference_attention(q, k, v, centroids, config, scale=scale, centering=centering)
@@ -169,7 +174,12 @@ def best_pairs(stats: dict[str, list[float]] | None = None, density: float | Non
         for h in range(q.shape[1]):
             scores = (q[0, h] @ k[0, h // group].T) * (scale or q.shape[-1] ** -0.5)
             logp = scores.masked_fill(~real, float("-inf")).log_softmax(-1)
-            candidates = logp.masked_fill(~far, float("-inf"))
+            p = logp.exp()
+            score = logp
+            if by_error:  # log(p |o - v| / (1 - p)): dropping the pair alone moves its row's output by that much
+                values = v[0, h // group]
+                score = logp + torch.cdist(p @ values, values).log() - torch.log1p(-p.clamp(max=1 - 1e-6))
+            candidates = score.masked_fill(~far, float("-inf"))
             if per_row:
                 counts = (mask[0, h] & far).sum(-1, keepdim=True)  # [Lq, 1]
                 top = candidates.topk(int(counts.max()), dim=-1).indices
@@ -180,8 +190,7 @@ def best_pairs(stats: dict[str, list[float]] | None = None, density: float | Non
                 pool = candidates.flatten() if sample is None else candidates.flatten()[sample]
                 rank = max(1, round(kept / candidates.numel() * pool.numel()))
                 threshold = pool.topk(rank).values[-1] if kept else float("inf")
-                chosen = local | far & (logp >= threshold)
-            p = logp.exp()
+                chosen = local | far & (score >= threshold)
             for name, m in (("focus", mask[0, h]), ("best", chosen)):
                 stats[f"{name} density"].append(float(m.sum() / real.sum()))
                 stats[f"{name} mass"].append(float((p * m).sum() / lq))
@@ -196,8 +205,8 @@ def best_pairs(stats: dict[str, list[float]] | None = None, density: float | Non
 def extra_pairs(variant: str, prompt_len: int, needle: tuple[int, int], tail: int,
                 stats: dict[str, list[float]] | None = None, density: float | None = None):
     """The reference path with ``variant``'s pairs allowed on top of the Focus pattern (``tail``, ``needle``,
-    ``needle-rows``), or instead of its far pairs (``best-pairs``, ``best-rows``: :func:`best_pairs` with ``stats``
-    and ``density``); the others run the library as it is."""
+    ``needle-rows``), or instead of its far pairs (``best-pairs``, ``best-error``, ``best-rows``: :func:`best_pairs`
+    with ``stats`` and ``density``); the others run the library as it is."""
 
     def widen(mask, q, k, centroids, config, *, attention_mask=None):
         lq, lk = q.shape[2], k.shape[2]
@@ -209,8 +218,8 @@ def extra_pairs(variant: str, prompt_len: int, needle: tuple[int, int], tail: in
             return mask | ((rows >= needle[0]) & (rows < needle[1]) & causal)
         return mask | ((cols >= needle[0]) & (cols < needle[1]) & causal)
 
-    if variant in ("best-pairs", "best-rows"):
-        with best_pairs(stats, density, per_row=variant == "best-rows"):
+    if variant in ("best-pairs", "best-rows", "best-error"):
+        with best_pairs(stats, density, per_row=variant == "best-rows", by_error=variant == "best-error"):
             yield
         return
     if variant in ("denominator", "summaries"):
@@ -291,7 +300,8 @@ def main() -> None:
     parser.add_argument("--depths", type=int, nargs="+", default=None, help="needle depths (default: all)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--best-density", type=float, default=None,
-                        help="best-pairs: that share of each head's causal pairs (default: the Focus pattern's)")
+                        help="best-pairs, best-error: that share of each head's causal pairs (default: the Focus "
+                        "pattern's)")
     parser.add_argument("--tail", type=int, default=24, help="prompt tokens the tail variant adds")
     parser.add_argument("--dense-tail", type=int, default=None,
                         help="FocusConfig.dense_tail for every variant (default: the adapter's)")
@@ -312,8 +322,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.best_density is not None and not 0 < args.best_density <= 1:
         parser.error(f"--best-density is a share of the causal pairs in (0, 1]; got {args.best_density}")
-    if args.best_density is not None and args.variants != ["best-pairs"]:
-        parser.error("--best-density sets the budget of the best-pairs variant: pass --variants best-pairs")
+    if args.best_density is not None and not set(args.variants) <= {"best-pairs", "best-error"}:
+        parser.error("--best-density sets the budget of the best-pairs and best-error variants: pass --variants "
+                     "best-pairs or best-error")
     if bool(args.wide_layers) != (args.wide_top_k is not None):
         parser.error("--wide-layers and --wide-top-k go together")
     keep_freed_memory()  # the focus-flex command's allocator setting: the dense [L, L] temporaries stay in the heap

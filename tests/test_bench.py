@@ -470,3 +470,40 @@ def test_passkey_oracle_best_pairs_keep_the_likeliest_far_pairs_at_focus_cost():
     assert torch.allclose(out[0], expected, atol=1e-5)
     assert rows["best density"] == pytest.approx(rows["focus density"], abs=1e-9)
     assert all(f <= r < b for f, r, b in zip(rows["focus mass"], rows["best mass"], stats["best mass"], strict=True))
+
+
+def test_passkey_oracle_best_error_keeps_the_far_pairs_whose_loss_moves_the_output_most():
+    """``passkey_oracle --variants best-error``: in each head the window and sinks, plus the far pairs whose removal
+    alone moves their row's full-attention output most, ``p |o - v| / (1 - p)`` (checked against a hand-built
+    selection), as many as make ``density`` of the causal pairs; not the likeliest pairs."""
+    import torch
+
+    import focus_flex.adapter
+    from benchmarks.passkey_oracle import best_pairs
+    from focus_flex import FocusConfig
+
+    torch.manual_seed(0)
+    config = FocusConfig(num_groups=4, window=8, sink_tokens=2)
+    q, k = torch.randn(1, 4, 64, 16), torch.randn(1, 2, 64, 16)
+    v = torch.randn(1, 2, 64, 16) * torch.rand(1, 2, 64, 1) * 4  # values of unequal norms: error and probability differ
+    centroids = torch.nn.functional.normalize(torch.randn(2, 4, 16), dim=-1)
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    i, j = torch.arange(64)[:, None], torch.arange(64)[None, :]
+    causal = j <= i
+    local = causal & ((i - j < 8) | (j < 2))
+    p = (q @ kk.transpose(-1, -2) / 4).masked_fill(~causal, float("-inf")).softmax(-1)[0]  # [4, 64, 64]
+    moved = p * torch.cdist(p @ vv[0], vv[0]) / (1 - p)  # [4, 64, 64]: how far dropping (i, j) alone moves o_i
+    kept = round(0.4 * int(causal.sum())) - int(local.sum())
+    outputs = {}
+    for by_error, ranking in ((True, moved), (False, p)):
+        stats = {"focus density": [], "focus mass": [], "best density": [], "best mass": []}
+        with best_pairs(stats, density=0.4, by_error=by_error):
+            outputs[by_error] = focus_flex.adapter.reference_attention(q, k, v, centroids, config)
+        chosen = local.expand(4, -1, -1).clone()
+        for h in range(4):
+            order = ranking[h].masked_fill(~causal | local, -1.0).flatten().argsort(descending=True)[:kept]
+            chosen[h].view(-1)[order] = True
+        expected = (p * chosen / (p * chosen).sum(-1, keepdim=True)) @ vv[0]
+        assert torch.allclose(outputs[by_error][0], expected, atol=1e-5)
+        assert stats["best density"] == pytest.approx([0.4] * 4, abs=1 / causal.sum().item())
+    assert not torch.allclose(outputs[True], outputs[False], atol=1e-3)
