@@ -17,7 +17,8 @@ dense SDPA with the pattern as mask) plus one kind of extra pairs:
   far pairs of highest full-attention probability, chosen over the head's whole prefill: what a routing that picked
   the best pairs at Focus's cost would keep (its threshold is estimated from a sample of the head's pairs, so its
   density is Focus's to within a few tenths of a percent; both are printed with the attention mass they keep);
-  ``--best-density F`` chooses as many as make F of each head's causal pairs instead;
+  ``--best-density F`` chooses as many as make F of each head's causal pairs instead; ``--oracle-layers L ...`` chooses
+  them in those layers only, the others keep Focus's pattern (this and the next two variants);
 * ``best-error`` — as ``best-pairs``, but the far pairs that move the head's output most when dropped one at a time
   (pair (i, j) alone moves row i's output by ``p_ij |o_i - v_j| / (1 - p_ij)``, o the full attention output): the
   pairs an objective on the layer's output error would keep, rather than those of highest probability;
@@ -144,23 +145,25 @@ def block_summaries(block: int = SUMMARY_BLOCK):
 
 @contextlib.contextmanager
 def best_pairs(stats: dict[str, list[float]] | None = None, density: float | None = None, per_row: bool = False,
-               by_error: bool = False):
+               by_error: bool = False, layers: list[int] | None = None):
     """The reference path with each head's far pairs chosen by full attention's probabilities (``best-pairs``), or
     with ``by_error`` by how far dropping each alone moves its row's output (``best-error``), one head at a time;
     appends each prefill head's density and kept attention mass, Focus's and the chosen pattern's, to ``stats``.
     ``density``: as many far pairs as make that share of each head's causal pairs (default: as many as the Focus
     pattern keeps there). With ``per_row`` every query keeps as many far pairs as the Focus pattern gives it, its
-    likeliest (``best-rows``). Batch 1 without padding; the head-wide threshold is exact up to ``BEST_PAIRS_SAMPLE``
-    pairs per head."""
+    likeliest (``best-rows``). ``layers``: choose them in these model layers only; the other Focus layers attend with
+    the Focus pattern (and add no stats). Batch 1 without padding; the head-wide threshold is exact up to
+    ``BEST_PAIRS_SAMPLE`` pairs per head."""
     if per_row and density is not None:
         raise ValueError("best-rows keeps the Focus pattern's count in each row: it takes no density")
     stats = collections.defaultdict(list) if stats is None else stats
+    current = []  # the model layer whose attention runs, set by the adapter's forward
 
     def attention(q, k, v, centroids, config, *, attention_mask=None, scale=None, centering=None):
         if q.shape[0] != 1 or attention_mask is not None and not attention_mask.all():
             raise ValueError("best-pairs, best-error and best-rows take one prompt without padding")
         lq, lk, group = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
-        if dense_decode(config.dense_decode, lq):
+        if dense_decode(config.dense_decode, lq) or layers is not None and current[-1] not in layers:
             return reference_attention(q, k, v, centroids, config, scale=scale, centering=centering)
         mask = focus_pattern(q, k, centroids, config, centering=centering)
         pos = torch.arange(lk)
@@ -197,16 +200,27 @@ def best_pairs(stats: dict[str, list[float]] | None = None, density: float | Non
             out[0, h] = logp.masked_fill(~chosen, float("-inf")).softmax(-1) @ v[0, h // group]
         return out
 
-    with mock.patch.object(focus_flex.adapter, "reference_attention", attention):
+    focus_forward = FocusAdapter.forward
+
+    def forward(self, module, slot, *args):
+        current.append(self.config.layers[slot])
+        try:
+            return focus_forward(self, module, slot, *args)
+        finally:
+            current.pop()
+
+    with mock.patch.object(focus_flex.adapter, "reference_attention", attention), \
+            mock.patch.object(FocusAdapter, "forward", forward):
         yield
 
 
 @contextlib.contextmanager
 def extra_pairs(variant: str, prompt_len: int, needle: tuple[int, int], tail: int,
-                stats: dict[str, list[float]] | None = None, density: float | None = None):
+                stats: dict[str, list[float]] | None = None, density: float | None = None,
+                layers: list[int] | None = None):
     """The reference path with ``variant``'s pairs allowed on top of the Focus pattern (``tail``, ``needle``,
     ``needle-rows``), or instead of its far pairs (``best-pairs``, ``best-error``, ``best-rows``: :func:`best_pairs`
-    with ``stats`` and ``density``); the others run the library as it is."""
+    with ``stats``, ``density`` and ``layers``); the others run the library as it is."""
 
     def widen(mask, q, k, centroids, config, *, attention_mask=None):
         lq, lk = q.shape[2], k.shape[2]
@@ -219,7 +233,8 @@ def extra_pairs(variant: str, prompt_len: int, needle: tuple[int, int], tail: in
         return mask | ((cols >= needle[0]) & (cols < needle[1]) & causal)
 
     if variant in ("best-pairs", "best-rows", "best-error"):
-        with best_pairs(stats, density, per_row=variant == "best-rows", by_error=variant == "best-error"):
+        with best_pairs(stats, density, per_row=variant == "best-rows", by_error=variant == "best-error",
+                        layers=layers):
             yield
         return
     if variant in ("denominator", "summaries"):
@@ -302,6 +317,11 @@ def main() -> None:
     parser.add_argument("--best-density", type=float, default=None,
                         help="best-pairs, best-error: that share of each head's causal pairs (default: the Focus "
                         "pattern's)")
+    parser.add_argument("--oracle-layers", type=int, nargs="+", default=None,
+                        help="best-pairs, best-error, best-rows: choose the pairs in these layers only, Focus's "
+                             "pattern in the other Focus layers (default: every Focus layer)")
+    parser.add_argument("--key-numbers", type=int, nargs="+", default=None,
+                        help="only the prompts of these key numbers in their cell (default: all)")
     parser.add_argument("--tail", type=int, default=24, help="prompt tokens the tail variant adds")
     parser.add_argument("--dense-tail", type=int, default=None,
                         help="FocusConfig.dense_tail for every variant (default: the adapter's)")
@@ -325,6 +345,9 @@ def main() -> None:
     if args.best_density is not None and not set(args.variants) <= {"best-pairs", "best-error"}:
         parser.error("--best-density sets the budget of the best-pairs and best-error variants: pass --variants "
                      "best-pairs or best-error")
+    if args.oracle_layers is not None and not set(args.variants) <= {"best-pairs", "best-error", "best-rows"}:
+        parser.error("--oracle-layers says where the best-pairs, best-error and best-rows variants choose their "
+                     "pairs: pass --variants best-pairs, best-error or best-rows")
     if bool(args.wide_layers) != (args.wide_top_k is not None):
         parser.error("--wide-layers and --wide-top-k go together")
     keep_freed_memory()  # the focus-flex command's allocator setting: the dense [L, L] temporaries stay in the heap
@@ -334,15 +357,19 @@ def main() -> None:
     adapter = FocusAdapter.from_pretrained(args.adapter)
     if args.layers is not None:
         adapter = layer_subset(adapter, args.layers)
+    if args.oracle_layers is not None and not set(args.oracle_layers) <= set(adapter.config.layers):
+        raise SystemExit(f"--oracle-layers {sorted(set(args.oracle_layers) - set(adapter.config.layers))}: not Focus "
+                         f"layers of the adapter ({adapter.config.layers})")
     if args.dense_tail is not None:
         adapter.config.dense_tail = args.dense_tail
     if args.dense_heads is not None:
         adapter.config.dense_heads = args.dense_heads
     solved = [r for r in load_passkey(args.full_results) if r.mode == "full" and r.correct and r.length in args.lengths
-              and (args.depths is None or r.depth in args.depths)]
+              and (args.depths is None or r.depth in args.depths)
+              and (args.key_numbers is None or r.key_number in args.key_numbers)]
     if not solved:
-        raise SystemExit(f"full attention retrieves no key at lengths {args.lengths} (depths {args.depths or 'all'}) "
-                         f"in {args.full_results}")
+        raise SystemExit(f"full attention retrieves no key at lengths {args.lengths} (depths {args.depths or 'all'}, "
+                         f"key numbers {args.key_numbers or 'all'}) in {args.full_results}")
     own_dense_decode = adapter.config.dense_decode if args.dense_decode is None else args.dense_decode
     adapter.attach(model)
     totals = {}
@@ -357,7 +384,7 @@ def main() -> None:
             meter = PrefillMeter(adapter)
             try:
                 with extra_pairs(variant, len(prompt.input_ids), prompt.needle, args.tail, stats,
-                                 args.best_density), \
+                                 args.best_density, args.oracle_layers), \
                         dense_rows(*(args.dense_rows or (0, 0))), \
                         wide_layers(args.wide_layers, *(args.wide_top_k or (0, 0))):
                     answer = greedy_answer(model, tokenizer, prompt.input_ids)
@@ -373,7 +400,8 @@ def main() -> None:
                     f"{name} {100 * sum(x) / len(x):.1f}%" for name, x in stats.items()), flush=True)
         totals[variant] = f"{hits}/{len(solved)} (density {100 * sum(densities) / len(densities):.1f}%)"
     c = adapter.config
-    print(f"keys full attention retrieves, retrieved by the adapter (Focus layers {c.layers}, dense tail "
+    print(f"keys full attention retrieves, retrieved by the adapter (Focus layers {c.layers}, oracle layers "
+          f"{args.oracle_layers or 'all'}, dense tail "
           f"{c.dense_tail}, dense decode {own_dense_decode}, dense KV heads {c.dense_heads or 'none'}, dense rows "
           f"{args.dense_rows or 'none'}, layers {args.wide_layers or 'none'} with groups per query and key "
           f"{args.wide_top_k}) plus:", totals)

@@ -507,3 +507,30 @@ def test_passkey_oracle_best_error_keeps_the_far_pairs_whose_loss_moves_the_outp
         assert torch.allclose(outputs[by_error][0], expected, atol=1e-5)
         assert stats["best density"] == pytest.approx([0.4] * 4, abs=1 / causal.sum().item())
     assert not torch.allclose(outputs[True], outputs[False], atol=1e-3)
+
+
+def test_passkey_oracle_best_pairs_in_some_layers_keep_focus_in_the_others():
+    """``passkey_oracle --oracle-layers``: the best-pairs choice in the named layers only; the other Focus layers
+    attend with the adapter's own pattern (the unpatched reference path) and add no stats."""
+    import torch
+    from test_adapter import tiny
+
+    from benchmarks.passkey_oracle import best_pairs
+    from focus_flex import FocusAdapter, FocusConfig
+    from focus_flex.attention import reference_attention
+
+    model = tiny("llama")  # 2 layers, 4 query heads on 2 KV heads of 16
+    adapter = FocusAdapter.for_model(model, FocusConfig(num_groups=4, window=8, sink_tokens=2), seed=3)
+    adapter.mode = "reference"
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 64, 16), torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
+    module = torch.nn.Module().eval()
+    focus = [reference_attention(q, k, v, adapter.centroids[s].detach(), adapter.config) for s in (0, 1)]
+    with best_pairs():
+        oracle = [adapter.forward(module, s, q, k, v, None, None) for s in (0, 1)]
+    stats = {"focus density": [], "focus mass": [], "best density": [], "best mass": []}
+    with best_pairs(stats, layers=[1]):
+        mixed = [adapter.forward(module, s, q, k, v, None, None) for s in (0, 1)]
+    assert not torch.allclose(oracle[0], focus[0], atol=1e-3) and not torch.allclose(oracle[1], focus[1], atol=1e-3)
+    assert torch.equal(mixed[0], focus[0]) and torch.equal(mixed[1], oracle[1])
+    assert len(stats["best mass"]) == 4  # layer 1's heads only
