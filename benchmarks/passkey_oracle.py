@@ -34,8 +34,9 @@ others attend fully): which layers' patterns lose them; ``--dense-heads L.H ...`
 makes the prompt's queries at positions ``[A, B)`` attend fully in every layer, on any path: whose rows lose them;
 ``--wide-layers L ... --wide-top-k Q K`` routes those layers' queries into Q groups and keys into K: whether more
 groups there are enough.
-Each answer is printed with the density of the adapter's hard pattern on its prefill (the Focus layers' causal pairs,
-dense heads and tail counted, a variant's extra pairs not). ``--dense-tail N`` sets the adapter's
+Each answer is printed with the key's log-probability (all its tokens; its first, the space before the digits) and
+the density of the adapter's hard pattern on its prefill (the Focus layers' causal pairs, dense heads and tail
+counted, a variant's extra pairs not). ``--dense-tail N`` sets the adapter's
 ``FocusConfig.dense_tail`` (the prompt's last N queries attend every token) and ``--dense-decode`` /
 ``--no-dense-decode`` its ``FocusConfig.dense_decode`` in every variant but ``decode`` (default: the adapter's own).
 Nothing here changes the library: the extra pairs are added by wrapping
@@ -64,7 +65,7 @@ from focus_flex import FocusAdapter, FocusConfig
 from focus_flex.attention import dense_decode, focus_pattern, near_pairs, reference_attention, tail_rows
 from focus_flex.cli import keep_freed_memory, layer_head
 from focus_flex.models import load_model
-from focus_flex.passkey import PrefillMeter, greedy_answer, load_passkey, score
+from focus_flex.passkey import PrefillMeter, answer_key, load_passkey, score
 
 VARIANTS = ("none", "decode", "tail", "needle", "needle-rows", "denominator", "summaries", "best-pairs",
             "best-error", "best-rows")
@@ -387,13 +388,15 @@ def main() -> None:
                                  args.best_density, args.oracle_layers), \
                         dense_rows(*(args.dense_rows or (0, 0))), \
                         wide_layers(args.wide_layers, *(args.wide_top_k or (0, 0))):
-                    answer = greedy_answer(model, tokenizer, prompt.input_ids)
+                    answer, logprobs = answer_key(model, tokenizer, prompt.input_ids, r.key)
             finally:
                 densities.append(meter.close()[0])
             correct = score(answer, r.key)
             hits += correct
             print(f"{variant:6s} {r.haystack:6s} {r.length:5d} {r.depth:3d}% key {r.key_number} {r.key}: {answer!r} "
-                  f"{'correct' if correct else 'wrong'}, density {100 * densities[-1]:.1f}% "
+                  f"{'correct' if correct else 'wrong'}, key log-prob {sum(logprobs):.2f} (its first token "
+                  f"{logprobs[0]:.2f}), "
+                  f"density {100 * densities[-1]:.1f}% "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
             if stats:
                 print("       prefill heads, mean: " + ", ".join(
