@@ -1,7 +1,8 @@
 """``python -m benchmarks.passkey_oracle``: where a Focus adapter loses the passkeys full attention retrieves.
 
 For every prompt that full attention answers correctly in ``--full-results`` (a ``passkey.json`` of
-``focus-flex eval --task passkey --modes full``), the adapter answers it with its hard pattern (reference path:
+``focus-flex eval --task passkey --modes full``; ``--lengths``, ``--depths`` and ``--key-numbers`` narrow them), the
+adapter answers it with its hard pattern (reference path:
 dense SDPA with the pattern as mask) plus one kind of extra pairs:
 
 * ``none`` — nothing added: the adapter as it is;
