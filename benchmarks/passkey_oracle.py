@@ -2,8 +2,8 @@
 
 For every prompt that full attention answers correctly in ``--full-results`` (a ``passkey.json`` of
 ``focus-flex eval --task passkey --modes full``; ``--lengths``, ``--depths`` and ``--key-numbers`` narrow them), the
-adapter answers it with its hard pattern (reference path:
-dense SDPA with the pattern as mask) plus one kind of extra pairs:
+adapter answers it with its hard pattern (reference path: dense SDPA with the pattern as mask) plus one kind of extra
+pairs:
 
 * ``none`` — nothing added: the adapter as it is;
 * ``decode`` — the generation steps attend every earlier token: the library's ``FocusConfig.dense_decode``, run on
