@@ -70,6 +70,7 @@ from focus_flex.passkey import PrefillMeter, answer_key, load_passkey, score
 
 VARIANTS = ("none", "decode", "tail", "needle", "needle-rows", "denominator", "summaries", "best-pairs",
             "best-error", "best-rows")
+BEST_VARIANTS = ("best-pairs", "best-error", "best-rows")  # far pairs chosen by full attention (:func:`best_pairs`)
 BEST_PAIRS_SAMPLE = 1 << 21
 SUMMARY_BLOCK = 64
 
@@ -234,7 +235,7 @@ def extra_pairs(variant: str, prompt_len: int, needle: tuple[int, int], tail: in
             return mask | ((rows >= needle[0]) & (rows < needle[1]) & causal)
         return mask | ((cols >= needle[0]) & (cols < needle[1]) & causal)
 
-    if variant in ("best-pairs", "best-rows", "best-error"):
+    if variant in BEST_VARIANTS:
         with best_pairs(stats, density, per_row=variant == "best-rows", by_error=variant == "best-error",
                         layers=layers):
             yield
@@ -347,7 +348,7 @@ def main() -> None:
     if args.best_density is not None and not set(args.variants) <= {"best-pairs", "best-error"}:
         parser.error("--best-density sets the budget of the best-pairs and best-error variants: pass --variants "
                      "best-pairs or best-error")
-    if args.oracle_layers is not None and not set(args.variants) <= {"best-pairs", "best-error", "best-rows"}:
+    if args.oracle_layers is not None and not set(args.variants) <= set(BEST_VARIANTS):
         parser.error("--oracle-layers says where the best-pairs, best-error and best-rows variants choose their "
                      "pairs: pass --variants best-pairs, best-error or best-rows")
     if bool(args.wide_layers) != (args.wide_top_k is not None):
@@ -396,9 +397,8 @@ def main() -> None:
             hits += correct
             print(f"{variant:6s} {r.haystack:6s} {r.length:5d} {r.depth:3d}% key {r.key_number} {r.key}: {answer!r} "
                   f"{'correct' if correct else 'wrong'}, key log-prob {sum(logprobs):.2f} (its first token "
-                  f"{logprobs[0]:.2f}), "
-                  f"density {100 * densities[-1]:.1f}% "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+                  f"{logprobs[0]:.2f}), density {100 * densities[-1]:.1f}% ({time.perf_counter() - t0:.0f} s)",
+                  flush=True)
             if stats:
                 print("       prefill heads, mean: " + ", ".join(
                     f"{name} {100 * sum(x) / len(x):.1f}%" for name, x in stats.items()), flush=True)
