@@ -216,6 +216,8 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
     seed_everything(args.seed)
     _check_numbers(args)
     _check_modes(args.modes)
+    if args.repetitive < 0:
+        raise CliError(f"--repetitive {args.repetitive}: the number of repetitive documents must be >= 0")
     try:
         if not args.init_from:  # (else train() checks the saved adapter's window)
             check_length(args.seq_len, args.window, args.sinks)
@@ -252,8 +254,15 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
     model, tokenizer = _load_model(args.model, args.revision, args.dtype, _device(args.device))
     _check_context(model, args.seq_len, "--seq-len")
     _check_context(model, args.context, "--context")
-    train_windows = _windows(_documents(args.data, args.train_split, "training"), tokenizer, args.seq_len, None,
-                             "training")
+    train_docs = _documents(args.data, args.train_split, "training")
+    if args.repetitive:
+        from focus_flex.data import repetitive_documents
+
+        try:
+            train_docs += repetitive_documents(train_docs, args.repetitive, tokenizer, args.seq_len, args.seed)
+        except ValueError as e:
+            raise CliError(f"--repetitive {args.repetitive}: {e}") from e
+    train_windows = _windows(train_docs, tokenizer, args.seq_len, None, "training")
     eval_windows = None
     if args.modes and rank == 0:
         eval_windows = _windows(_documents(eval_source, eval_split, "evaluation"), tokenizer, args.context,
@@ -553,6 +562,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="distill, kd: spans copied far ahead into each training sequence, half the rows (distill) or "
                         "half the loss (kd) read them back")
     t.add_argument("--repeat-span", type=int, default=c.repeat_span, help="tokens per copied span")
+    t.add_argument("--repetitive", type=int, default=0, metavar="N",
+                   help="add N documents of repetitive training text (a few sentences of the training data repeated, "
+                        "other sentences among the copies) to the training data: far attention over repetition, as "
+                        "in a passkey haystack (docs/passkey.md, point 39)")
     t.add_argument("--init", choices=["kmeans", "random"], default=c.init)
     t.add_argument("--init-from", metavar="ADAPTER", default=None,
                    help="fine-tune a saved adapter (folder or Hub id): start from its centroids, means and Focus "

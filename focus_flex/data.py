@@ -29,6 +29,8 @@ import contextlib
 import glob
 import json
 import os
+import random
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -128,6 +130,46 @@ def token_windows(
         n = len(starts)
         starts = [starts[(2 * i + 1) * n // (2 * max_windows)] for i in range(max_windows)]
     return torch.tensor([ids[d][s : s + length] for d, s in starts], dtype=torch.long)
+
+
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def repetitive_documents(documents: list[str], count: int, tokenizer: PreTrainedTokenizerBase, length: int,
+                         seed: int = 0) -> list[str]:
+    """``count`` documents of at least ``length`` tokens in which 1-4 consecutive sentences of one of ``documents``
+    repeat, with 1-3 other sentences of that document inserted at random places among the copies.
+
+    A passkey haystack is this kind of text: one fact among many copies of the same sentences, which the lower
+    layers of full attention read over its whole length and novels never show (docs/passkey.md, point 39). The
+    sentences are the training text's own, so neither the evaluation's filler nor its needle is trained on.
+    Document ``d`` is built from ``documents[d % len(documents)]``; the same arguments give the same documents.
+
+    Raises:
+        ValueError: ``count`` < 0, or a document with fewer than 8 sentences of 20-200 characters.
+    """
+    if count < 0 or (count and not documents):
+        raise ValueError(f"count={count} repetitive documents from {len(documents)} documents: count must be >= 0, "
+                         f"and > 0 only with at least one document")
+    rng = random.Random(seed)
+    pools = []
+    for i, doc in enumerate(documents[:count]):
+        pool = [s for s in (t.strip() for t in SENTENCE_END.split(" ".join(doc.split()))) if 20 <= len(s) <= 200]
+        if len(pool) < 8:
+            raise ValueError(f"training document {i} has {len(pool)} sentences of 20-200 characters; repetitive "
+                             f"documents are built from documents of at least 8 such sentences")
+        pools.append(pool)
+    out = []
+    for d in range(count):
+        pool = pools[d % len(pools)]
+        start = rng.randrange(len(pool) - 4)
+        block = " ".join(pool[start:start + rng.randint(1, 4)])
+        per_copy = len(tokenizer(" " + block, add_special_tokens=False)["input_ids"])  # as it follows a copy
+        body = [block] * (length // per_copy + 2)
+        for _ in range(rng.randint(1, 3)):
+            body.insert(rng.randrange(len(body) + 1), rng.choice(pool))
+        out.append(" ".join(body))
+    return out
 
 
 def _is_path(source: str) -> bool:

@@ -175,6 +175,9 @@ def test_retrofit_fine_tunes_a_saved_adapter(tiny, tmp_path, capsys):
     (["--train-split", "eval"], "shares 2 file(s) with the training text"),  # the shipped held-out books
     (["--data", "TINY/train", "--eval-data", "TINY/eval", "--balance-weight", "nan"], "invalid settings"),
     (["--data", "TINY/train", "--eval-data", "TINY/eval", "--groups", "60"], "k-means init needs at least"),
+    (["--data", "TINY/train", "--eval-data", "TINY/eval", "--repetitive", "-1"], "--repetitive -1: the number"),
+    (["--data", "TINY/train", "--eval-data", "TINY/eval", "--repetitive", "2"],
+     "--repetitive 2: training document 0 has 0 sentences"),
 ])
 def test_retrofit_errors_are_clear(tiny, tmp_path, capsys, args, message):
     args = [a.replace("MODEL", str(tiny / "model")).replace("TINY", str(tiny)) for a in args]

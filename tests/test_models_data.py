@@ -226,6 +226,34 @@ def test_conversion_cache_is_written_atomically(tmp_path):
     assert fm._complete(target) and [p.name for p in (tmp_path / "models").iterdir()] == ["m"]
 
 
+def test_repetitive_documents_repeat_training_sentences_with_others_among_them(smollm2):
+    _, tok, _ = smollm2
+    books = load_documents()  # the shipped training books
+    docs = data.repetitive_documents(books, 6, tok, 1024, seed=3)
+    assert docs == data.repetitive_documents(books, 6, tok, 1024, seed=3)
+    assert docs != data.repetitive_documents(books, 6, tok, 1024, seed=4)
+    assert token_windows(docs, tok, 1024).shape == (6, 1024)  # one window of every document
+    for d, doc in enumerate(docs):
+        book = " ".join(books[d % len(books)].split())
+        sentences = data.SENTENCE_END.split(doc)
+        counts = {s: sentences.count(s) for s in set(sentences)}
+        assert all(s in book for s in counts)  # the training book's own sentences
+        assert max(counts.values()) >= 10  # a stretch repeated
+        assert 1 <= sum(c for c in counts.values() if c < 3) <= 3  # 1-3 others among the copies
+        assert "The grass is green" not in doc  # not the evaluation's filler
+
+
+def test_repetitive_documents_errors(smollm2):
+    _, tok, _ = smollm2
+    assert data.repetitive_documents(["One. Two."], 0, tok, 64) == []
+    with pytest.raises(ValueError, match="count must be >= 0"):
+        data.repetitive_documents(load_documents(), -1, tok, 64)
+    with pytest.raises(ValueError, match="count must be >= 0, and > 0 only with at least one document"):
+        data.repetitive_documents([], 2, tok, 64)
+    with pytest.raises(ValueError, match="training document 0 has 2 sentences"):
+        data.repetitive_documents(["A first sentence of this text. A second sentence of this text."], 1, tok, 64)
+
+
 # ----------------------------------------------------------------------------- the real default model
 
 
