@@ -132,7 +132,7 @@ def token_windows(
     return torch.tensor([ids[d][s : s + length] for d, s in starts], dtype=torch.long)
 
 
-SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+")  # the space after a sentence (passkey.SENTENCE_END: a text's end)
 
 
 def repetitive_documents(documents: list[str], count: int, tokenizer: PreTrainedTokenizerBase, length: int,
@@ -154,7 +154,7 @@ def repetitive_documents(documents: list[str], count: int, tokenizer: PreTrained
     rng = random.Random(seed)
     pools = []
     for i, doc in enumerate(documents[:count]):
-        pool = [s for s in (t.strip() for t in SENTENCE_END.split(" ".join(doc.split()))) if 20 <= len(s) <= 200]
+        pool = [s for s in (t.strip() for t in SENTENCE_BREAK.split(" ".join(doc.split()))) if 20 <= len(s) <= 200]
         if len(pool) < 8:
             raise ValueError(f"training document {i} has {len(pool)} sentences of 20-200 characters; repetitive "
                              f"documents are built from documents of at least 8 such sentences")

@@ -235,7 +235,7 @@ def test_repetitive_documents_repeat_training_sentences_with_others_among_them(s
     assert token_windows(docs, tok, 1024).shape == (6, 1024)  # one window of every document
     for d, doc in enumerate(docs):
         book = " ".join(books[d % len(books)].split())
-        sentences = data.SENTENCE_END.split(doc)
+        sentences = data.SENTENCE_BREAK.split(doc)
         counts = {s: sentences.count(s) for s in set(sentences)}
         assert all(s in book for s in counts)  # the training book's own sentences
         assert max(counts.values()) >= 10  # a stretch repeated
