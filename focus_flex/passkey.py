@@ -95,7 +95,7 @@ VALIDATION_PHRASINGS = {  # worded unlike both evaluation phrasings, for the val
     "code": PromptText(
         instruction="Somewhere in the long document below an access code is written down. Read it all; at the end "
                     "you will be asked for the code.\n",
-        needle=" (The access code for the archive is {key}.)",
+        needle=" The access code for the archive is {key}.",
         question="\n\nWhich access code for the archive does the document give?",
         answer_prefix="The access code for the archive is"),
 }

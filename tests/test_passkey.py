@@ -96,7 +96,7 @@ def test_validation_haystack_repeats_training_sentences_in_its_own_words(smollm2
         text = tok.decode(p.input_ids)
         assert text.endswith("does the document give?<|im_end|>\n<|im_start|>assistant\nThe access code for the "
                              "archive is") and "pass key" not in text and "magic number" not in text
-        hay = text[text.index("the code.\n") + 10:text.index(" (The access code")]
+        hay = text[text.index("the code.\n") + 10:text.index(" The access code")]
         sentences = [s for s in hay.split(". ") if len(s) > 25]
         assert len(sentences) > 20 and len(set(sentences)) < len(sentences) / 4  # mostly copies
         assert all(s in train for s in sentences[1:-1]) and not any(s in held_out for s in set(sentences))
