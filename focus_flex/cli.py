@@ -24,15 +24,7 @@ import torch
 
 from focus_flex.config import FocusConfig
 from focus_flex.evaluate import MODES, PLOT_PNG, RESULTS_JSON, RESULTS_MD, check_modes, results_markdown, save_results
-from focus_flex.passkey import (
-    DEFAULT_DEPTHS,
-    DEFAULT_LENGTHS,
-    HAYSTACKS,
-    PASSKEY_MODES,
-    PHRASINGS,
-    VALIDATION_HAYSTACKS,
-    VALIDATION_PHRASINGS,
-)
+from focus_flex.passkey import DEFAULT_DEPTHS, DEFAULT_LENGTHS, HAYSTACKS, PASSKEY_MODES, PHRASINGS
 from focus_flex.train import TrainConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -445,7 +437,7 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
     meta = {"command": command, "adapter": args.adapter, "focus_config": adapter.config.to_dict(),
             "cpu": _cpu_name()}
     protocol = passkey_protocol(args.dtype, adapter.config.dense_decode, adapter.config.dense_tail,
-                                adapter.config.dense_heads, args.phrasings, args.haystacks)
+                                adapter.config.dense_heads, args.phrasings)
     paths = save_passkey(out, results, meta, protocol)
     # The evaluated copy of the adapter: its card shows the retrieval table and heatmaps next to its perplexity.
     extra = adapter.config.extra
@@ -612,12 +604,9 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--depths", type=int, nargs="+", default=list(DEFAULT_DEPTHS),
                     help="needle depths (%% of the haystack)")
     pk.add_argument("--keys-per-cell", type=int, default=2, help="keys per (haystack, length, depth)")
-    pk.add_argument("--haystacks", nargs="+", choices=[*HAYSTACKS, *VALIDATION_HAYSTACKS], default=list(HAYSTACKS),
-                    help="filler, prose: the evaluation's; repetitive: repeated training sentences, to choose between "
-                         "trained adapters without looking at the evaluation (with --phrasings code)")
-    pk.add_argument("--phrasings", nargs="+", choices=[*PHRASINGS, *VALIDATION_PHRASINGS], default=list(PHRASINGS),
-                    help="words around the haystack: the passkey's, RULER's needle-in-a-haystack; code: the "
-                         "validation's")
+    pk.add_argument("--haystacks", nargs="+", choices=list(HAYSTACKS), default=list(HAYSTACKS))
+    pk.add_argument("--phrasings", nargs="+", choices=list(PHRASINGS), default=list(PHRASINGS),
+                    help="words around the haystack: the passkey's, RULER's needle-in-a-haystack")
     pk.add_argument("--seed", type=int, default=0, help="seed of the keys")
     pk.add_argument("--full-results", metavar="PASSKEY_JSON", nargs="+", default=None,
                     help="reuse the full-attention results of earlier runs (their passkey.json files, together "

@@ -11,10 +11,6 @@ Protocol (Mohtashami & Jaggi, 2023, adapted to an instruct model; docs/passkey.m
 * **Haystacks.** ``filler``: the classic ``"The grass is green. The sky is blue. ..."`` repeated; ``prose``: a
   contiguous excerpt of the held-out books of the shipped corpus (split ``eval``, never used in training), a
   different excerpt for every key.
-* **Validation** (:data:`VALIDATION_HAYSTACKS`, :data:`VALIDATION_PHRASINGS`: for choosing between trained adapters
-  without looking at the evaluation). ``repetitive``: a few sentences of a *training* book repeated, other sentences
-  of it among the copies (:func:`focus_flex.data.repetitive_documents` with draws of its own); ``code``: a needle and
-  question worded unlike both evaluation phrasings.
 * **Prompt** (exactly ``length`` tokens, the model's chat template, one user turn and the start of the answer)::
 
       <|im_start|>system\\n...<|im_end|>\\n<|im_start|>user\\n{INSTRUCTION}{haystack with needle}{QUESTION}<|im_end|>\\n
@@ -54,8 +50,7 @@ from focus_flex.evaluate import RoutingMeter, matching_window, window_density, w
 from focus_flex.models import max_context
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-HAYSTACKS = ("filler", "prose")  # the evaluation's
-VALIDATION_HAYSTACKS = ("repetitive",)  # training text: for choosing between adapters, never for reporting retrieval
+HAYSTACKS = ("filler", "prose")
 PASSKEY_MODES = ("full", "focus", "window")
 INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
                "I will quiz you about the important information there.\n\n")
@@ -65,7 +60,6 @@ ANSWER_PREFIX = "The pass key is"
 MAX_NEW_TOKENS = 8  # " 7 1 4 3 2 ." and a margin: the key's digits are single tokens in SmolLM2's vocabulary
 DEFAULT_LENGTHS, DEFAULT_DEPTHS = (2048, 4096), (10, 50, 90)
 PASSKEY_JSON, PASSKEY_MD = "passkey.json", "passkey.md"
-VALIDATION_SEED = 1_000_003  # the validation documents' draws: apart from the seeds training draws with (0, 1, ...)
 SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s*$")
 
 
@@ -91,15 +85,6 @@ PHRASINGS = {
         question=f"\nWhat are all the special magic numbers for {RULER_NAME} mentioned in the provided text?",
         answer_prefix=f"The special magic numbers for {RULER_NAME} mentioned in the provided text is:\n\n-"),
 }
-VALIDATION_PHRASINGS = {  # worded unlike both evaluation phrasings, for the validation haystack
-    "code": PromptText(
-        instruction="Somewhere in the long document below an access code is written down. Read it all; at the end "
-                    "you will be asked for the code.\n",
-        needle=" The access code for the archive is {key}.",
-        question="\n\nWhich access code for the archive does the document give?",
-        answer_prefix="The access code for the archive is"),
-}
-_TEXTS = {**PHRASINGS, **VALIDATION_PHRASINGS}
 
 
 @dataclass
@@ -162,7 +147,7 @@ class Prompt(NamedTuple):
     def build(self, tokenizer: Any, key: str) -> PasskeyPrompt:
         """The prompt's tokens, hiding ``key`` (normally ``self.key(seed)``), in its phrasing's words."""
         return build_prompt(tokenizer, self.length, self.depth, key, self.haystack, self.number,
-                            _TEXTS[self.phrasing])
+                            PHRASINGS[self.phrasing])
 
 
 def prompts_of(haystacks: list[str] | tuple[str, ...], lengths: list[int] | tuple[int, ...],
@@ -186,20 +171,12 @@ def _wrap(tokenizer: Any, answer_prefix: str = ANSWER_PREFIX) -> tuple[str, str]
 
 
 def haystack_ids(tokenizer: Any, haystack: str, n: int, number: int = 0) -> list[int]:
-    """``n`` token ids of haystack text: the filler repeated, the ``number``-th excerpt of the held-out books, or the
-    ``number``-th validation document of repeated training sentences."""
+    """``n`` token ids of haystack text: the filler repeated, or the ``number``-th excerpt of the held-out books."""
     if haystack == "filler":
         one = tokenizer(" " + FILLER, add_special_tokens=False)["input_ids"]
         return (one * (n // len(one) + 1))[:n]
-    if haystack == "repetitive":
-        from focus_flex.data import load_documents, repetitive_documents
-
-        books = load_documents(None, "train")
-        books = books[number % len(books):] + books[:number % len(books)]  # document 0 comes from the first of these
-        doc = repetitive_documents(books, 1, tokenizer, n, seed=VALIDATION_SEED + number)[0]
-        return tokenizer(" " + doc, add_special_tokens=False)["input_ids"][:n]
     if haystack != "prose":
-        raise ValueError(f"haystack {haystack!r} unknown: choose from {HAYSTACKS + VALIDATION_HAYSTACKS}")
+        raise ValueError(f"haystack {haystack!r} unknown: choose from {HAYSTACKS}")
     ids = _book_ids(tokenizer, "eval")
     if len(ids) < n:
         raise ValueError(f"the held-out books hold {len(ids)} tokens, fewer than the {n} asked for")
@@ -355,8 +332,8 @@ def check_passkey_args(model: nn.Module, lengths: list[int] | tuple[int, ...], d
         raise ValueError(f"keys_per_cell {keys_per_cell}: must be >= 1")
     if not lengths or not depths or not haystacks or not modes or not phrasings:
         raise ValueError("lengths, depths, haystacks, modes and phrasings each need at least one value")
-    for name, given, known in (("haystack", haystacks, HAYSTACKS + VALIDATION_HAYSTACKS),
-                               ("mode", modes, PASSKEY_MODES), ("phrasing", phrasings, tuple(_TEXTS))):
+    for name, given, known in (("haystack", haystacks, HAYSTACKS), ("mode", modes, PASSKEY_MODES),
+                               ("phrasing", phrasings, tuple(PHRASINGS))):
         unknown = sorted(set(given) - set(known))
         if unknown:
             raise ValueError(f"{name} {unknown} unknown: choose from {known}")
@@ -632,10 +609,9 @@ def save_passkey(directory: str, results: list[PasskeyResult], meta: dict[str, A
 
 def passkey_protocol(dtype: str, dense_decode: bool = False, dense_tail: int = 0,
                      dense_heads: list[list[int]] | None = None,
-                     phrasings: list[str] | tuple[str, ...] = tuple(PHRASINGS),
-                     haystacks: list[str] | tuple[str, ...] = HAYSTACKS) -> str:
+                     phrasings: list[str] | tuple[str, ...] = tuple(PHRASINGS)) -> str:
     """One paragraph describing the protocol, for the reports (``dense_decode``, ``dense_tail``, ``dense_heads``: the
-    adapter's; ``phrasings`` and ``haystacks``: those evaluated)."""
+    adapter's; ``phrasings``: those evaluated)."""
     decode = (" Generation steps attend every token in both (`dense_decode`); the density counts the prefill."
               if dense_decode else "")
     if dense_tail:
@@ -646,12 +622,9 @@ def passkey_protocol(dtype: str, dense_decode: bool = False, dense_tail: int = 0
                    + " (layer.KV head) attend every token (`dense_heads`), counted in the density; window-only has "
                    "none, its window matches the total.")
     words = "; ".join(f"`{name}`: needle \"{text.needle.format(key='NNNNN').strip()}\", answer started as "
-                      f"{json.dumps(text.answer_prefix)}" for name, text in _TEXTS.items() if name in phrasings)
-    hays = {"filler": f"`filler`: \"{FILLER}\" repeated", "prose": "`prose`: excerpts of the shipped held-out books",
-            "repetitive": "`repetitive`, for validation: a few sentences of a training book repeated, others among "
-                          "the copies"}
-    return ("Passkey retrieval: a 5-digit key in a needle at the given depth of the haystack ("
-            + "; ".join(hays[h] for h in hays if h in haystacks) + "), asked for at the end, the whole prompt "
+                      f"{json.dumps(text.answer_prefix)}" for name, text in PHRASINGS.items() if name in phrasings)
+    return ("Passkey retrieval: a 5-digit key in a needle at the given depth of the haystack (`filler`: \"" + FILLER
+            + "\" repeated; `prose`: excerpts of the shipped held-out books), asked for at the end, the whole prompt "
             "in the model's chat template with the answer started; phrasings (" + words + "); correct iff greedy "
             "decoding's first number is the key; " + dtype + ". Window-only: "
             "window + sinks at focus's density measured on the same prompts." + decode)

@@ -45,7 +45,6 @@ def test_bad_arguments_raise_clear_errors():
                                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512))
     ok = dict(lengths=[256], depths=[50], keys_per_cell=1, haystacks=["filler"], modes=["full"])
     P.check_passkey_args(model, **ok)
-    P.check_passkey_args(model, **{**ok, "haystacks": ["repetitive"], "phrasings": ["code"]})  # the validation's
     for change, match in [({"lengths": [1024]}, "context of 512"), ({"depths": [101]}, "outside 0-100"),
                           ({"depths": [-5]}, "outside 0-100"), ({"keys_per_cell": 0}, ">= 1"),
                           ({"haystacks": ["lorem"]}, "unknown"), ({"modes": ["soft"]}, "unknown"),
@@ -77,32 +76,6 @@ def test_prompt_has_the_length_and_puts_the_key_at_the_depth(smollm2, haystack):
     other = P.build_prompt(tok, 1024, 50, "71432", haystack, number=4)
     assert (haystack == "prose") == (not torch.equal(other.input_ids, P.build_prompt(tok, 1024, 50, "71432", haystack,
                                                                                      number=3).input_ids))
-
-
-def test_validation_haystack_repeats_training_sentences_in_its_own_words(smollm2):
-    """``repetitive`` + ``code``: a prompt of exactly ``length`` tokens whose haystack is a few sentences of a training
-    book repeated (other sentences of it among the copies), neither the evaluation's books nor its filler, a
-    different document per key number, with the validation's needle and question around it."""
-    from focus_flex.data import load_documents
-
-    _, tok = smollm2
-    train = " ".join(" ".join(d.split()) for d in load_documents(None, "train"))
-    held_out = " ".join(" ".join(d.split()) for d in load_documents(None, "eval"))
-    texts = []
-    for number in range(2):
-        p = P.build_prompt(tok, 1536, 60, "58213", "repetitive", number, P.VALIDATION_PHRASINGS["code"])
-        assert p.input_ids.shape == (1536,) and tok.decode(p.input_ids[p.key_tokens]).strip() == "58213"
-        assert abs(p.depth - 60) <= 100 * 64 / 1400
-        text = tok.decode(p.input_ids)
-        assert text.endswith("does the document give?<|im_end|>\n<|im_start|>assistant\nThe access code for the "
-                             "archive is") and "pass key" not in text and "magic number" not in text
-        hay = text[text.index("the code.\n") + 10:text.index(" The access code")]
-        sentences = [s for s in hay.split(". ") if len(s) > 25]
-        assert len(sentences) > 20 and len(set(sentences)) < len(sentences) / 4  # mostly copies
-        assert all(s in train for s in sentences[1:-1]) and not any(s in held_out for s in set(sentences))
-        assert "The grass is green" not in text
-        texts.append(hay)
-    assert texts[0][:200] != texts[1][:200]
 
 
 def test_prompt_takes_other_words_around_the_same_haystack(smollm2):
