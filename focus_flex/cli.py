@@ -244,7 +244,7 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
                          seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, balance_weight=args.balance_weight,
                          query_samples=args.query_samples, repeats=args.repeats, repeat_span=args.repeat_span,
                          init="keep" if args.init_from else args.init, seed=args.seed, eval_every=args.eval_every,
-                         checkpoint_every=args.checkpoint_every)
+                         checkpoint_every=args.checkpoint_every, train_layers=args.train_layers)
         check_batch(tc.batch_size, world)
     except ValueError as e:
         raise CliError(f"invalid settings: {e}") from e
@@ -570,6 +570,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--init-from", metavar="ADAPTER", default=None,
                    help="fine-tune a saved adapter (folder or Hub id): start from its centroids, means and Focus "
                         "settings")
+    t.add_argument("--train-layers", type=int, nargs="+", default=None, metavar="LAYER",
+                   help="train only these Focus layers' centroids; the others stay as they start (with --init-from: "
+                        "as saved; docs/passkey.md, point 41)")
     t.add_argument("--seed", type=int, default=c.seed)
     t.add_argument("--eval-every", type=int, default=c.eval_every, help="dev metrics every N steps")
     t.add_argument("--checkpoint-every", type=int, default=c.checkpoint_every)

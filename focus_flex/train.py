@@ -98,6 +98,7 @@ class TrainConfig:
     repeats: int = 0  # distill, kd: spans copied far ahead into each training sequence (long-range repetition)
     repeat_span: int = 32  # tokens per copied span
     init: str = "kmeans"  # spherical k-means of the keys of the first sequence, "random", or "keep" (fine-tune)
+    train_layers: list[int] | None = None  # Focus layers whose centroids learn (None: all); the rest stay as they start
     seed: int = 0
     eval_every: int = 0  # dev metrics every N steps (0: at the end only)
     checkpoint_every: int = 0  # checkpoint every N steps (0: at the end only, when an output dir is given)
@@ -112,6 +113,10 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be an int >= 1")
         if not isinstance(self.repeats, int) or self.repeats < 0:
             raise ValueError(f"repeats={self.repeats!r} must be an int >= 0")
+        if self.train_layers is not None and (not self.train_layers or len(set(self.train_layers)) != len(
+                self.train_layers) or not all(isinstance(x, int) and x >= 0 for x in self.train_layers)):
+            raise ValueError(f"train_layers={self.train_layers!r} must be None (every Focus layer) or distinct layer "
+                             "indices >= 0")
         if self.repeats and self.objective == "lm":
             raise ValueError("repeats needs objective='distill' or 'kd' (the copies choose which rows or positions "
                              "are distilled)")
@@ -407,12 +412,13 @@ def accumulate_gradients(model: nn.Module, adapter: FocusAdapter, sequences: tor
                 idx = torch.cat([idx[:tc.query_samples - len(pick)], pick])
             qkv = teacher_qkv(model, seq[None])
             idx = idx.to(next(model.parameters()).device)
-            for layer, slot in adapter.slot.items():
-                q, k, v, scale = qkv[layer]
+            slots = trained_slots(adapter, tc)
+            for slot in slots:  # layer-local: a layer whose centroids do not learn has nothing to distill
+                q, k, v, scale = qkv[cfg.layers[slot]]
                 err, bal = distill_layer_loss(q, k, v, adapter.centroids[slot], cfg, idx, scale,
                                               (centering or {}).get(slot))
-                main = err / len(adapter.slot)
-                bal = bal / len(adapter.slot)
+                main = err / len(slots)
+                bal = bal / len(slots)
                 ((main + tc.balance_weight * bal) / global_batch).backward()
                 sums[tc.objective] += main.item() / global_batch
                 sums["balance"] += bal.item() / global_batch
@@ -427,6 +433,17 @@ def accumulate_gradients(model: nn.Module, adapter: FocusAdapter, sequences: tor
             sums["balance"] += bal.item() / global_batch
     sums["loss"] = sums[tc.objective] + tc.balance_weight * sums["balance"]
     return sums
+
+
+def trained_slots(adapter: FocusAdapter, tc: TrainConfig) -> list[int]:
+    """The centroid slots that learn: those of ``tc.train_layers`` (all of the adapter's when it is None)."""
+    if tc.train_layers is None:
+        return list(adapter.slot.values())
+    other = sorted(set(tc.train_layers) - set(adapter.slot))
+    if other:
+        raise ValueError(f"train_layers {other} are not Focus layers of this adapter (its layers: "
+                         f"{adapter.config.layers}): train a subset of those")
+    return sorted(adapter.slot[layer] for layer in tc.train_layers)
 
 
 def lm_losses(model: nn.Module, adapter: FocusAdapter, seq: torch.Tensor, kd: bool = False,
@@ -621,6 +638,7 @@ def _train_frozen(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor
     seed_everything(tc.seed)
     device = next(model.parameters()).device
     adapter.to(device)
+    frozen = sorted(set(adapter.slot.values()) - set(trained_slots(adapter, tc)))
     optimizer = torch.optim.Adam([adapter.centroids], lr=tc.lr)
     history: list[dict[str, Any]] = []
     start = 0
@@ -679,9 +697,11 @@ def _train_frozen(model: nn.Module, adapter: FocusAdapter, windows: torch.Tensor
             if not math.isfinite(parts["loss"]):
                 raise ValueError(f"the training loss is {parts['loss']} at step {step + 1}: lower --lr or "
                                  f"--balance-weight (the last checkpoint, if any, is from before this step)")
+            kept = adapter.centroids.detach()[frozen].clone()
             optimizer.step()
             with torch.no_grad():  # routing only sees directions: keep the centroids unit-norm
                 adapter.centroids.copy_(F.normalize(adapter.centroids, dim=-1))
+                adapter.centroids[frozen] = kept  # bit for bit (lm, kd: their gradients flow but do not apply)
             entry = {"step": step + 1, "lr": learning_rate(tc, step), **parts,
                      "seconds": time.perf_counter() - t0}
             last = step + 1 == tc.steps

@@ -178,6 +178,8 @@ def test_retrofit_fine_tunes_a_saved_adapter(tiny, tmp_path, capsys):
     (["--data", "TINY/train", "--eval-data", "TINY/eval", "--repetitive", "-1"], "--repetitive -1: the number"),
     (["--data", "TINY/train", "--eval-data", "TINY/eval", "--repetitive", "2"],
      "--repetitive 2: training document 0 has 0 sentences"),
+    (["--data", "TINY/train", "--eval-data", "TINY/eval", "--train-layers", "7"], "train_layers [7] are not Focus"),
+    (["--data", "TINY/train", "--eval-data", "TINY/eval", "--train-layers", "0", "0"], "invalid settings: train_"),
 ])
 def test_retrofit_errors_are_clear(tiny, tmp_path, capsys, args, message):
     args = [a.replace("MODEL", str(tiny / "model")).replace("TINY", str(tiny)) for a in args]

@@ -293,6 +293,29 @@ def test_keep_starts_from_the_adapter_as_given():
     assert not torch.allclose(fresh.centroids.detach(), start.centroids.detach(), atol=1e-3)
 
 
+@pytest.mark.parametrize("objective", ["distill", "kd"])
+def test_train_layers_learn_alone_and_the_others_stay_bit_for_bit(objective):
+    """train_layers=[1]: layer 1's centroids move, layer 0's are exactly those it started from (a fine-tune of half
+    the layers); the distill loss is then layer 1's alone."""
+    model = tiny_llama()
+    start = run(steps=1)
+    tc = TrainConfig(objective=objective, steps=2, seq_len=48, query_samples=16, init="keep", train_layers=[1])
+    tuned = FocusAdapter(start.config, start.centroids.detach().clone())
+    history = train(model, tuned, windows(), tc, progress=False)
+    assert torch.equal(tuned.centroids.detach()[0], start.centroids.detach()[0])
+    assert not torch.allclose(tuned.centroids.detach()[1], start.centroids.detach()[1], atol=1e-4)
+    if objective == "distill":
+        first = windows()[T.batch_indices(len(windows()), 1, tc.seed, 0)]  # the first step's sequence
+        every = T.accumulate_gradients(model, FocusAdapter(start.config, start.centroids.detach().clone()), first,
+                                       [0], TrainConfig(**{**tc.__dict__, "train_layers": None}), 0)
+        alone = T.accumulate_gradients(model, FocusAdapter(start.config, start.centroids.detach().clone()), first,
+                                       [0], tc, 0)
+        assert alone["distill"] != pytest.approx(every["distill"])  # layer 1's error, not the mean of both
+        assert history[0]["distill"] == pytest.approx(alone["distill"], rel=1e-5)
+    with pytest.raises(ValueError, match=r"train_layers \[5\] are not Focus layers of this adapter"):
+        train(model, tuned, windows(), TrainConfig(**{**tc.__dict__, "train_layers": [1, 5]}), progress=False)
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match="objective"):
         TrainConfig(objective="sgd")
@@ -301,6 +324,9 @@ def test_config_errors():
     for bad in ({"lr": float("nan")}, {"lr": float("inf")}, {"balance_weight": float("nan")}):
         with pytest.raises(ValueError, match="finite"):
             TrainConfig(**bad)
+    for bad in ([], [1, 1], [-1]):
+        with pytest.raises(ValueError, match="train_layers"):
+            TrainConfig(train_layers=bad)
     with pytest.raises(ValueError, match="k-means init needs at least as many keys per head as groups"):
         model = tiny_llama()
         train(model, FocusAdapter.for_model(model, FocusConfig(num_groups=60, window=8, sink_tokens=2)),
