@@ -818,7 +818,31 @@ def _compile_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 GUARD_PARTS = ("prefill", "decode step", "routing")
-GUARD_DECODE_STEPS = 20  # decode steps per timing (one is ~1 ms)
+GUARD_CALLS = {"prefill": 1, "decode step": 20, "routing": 10}  # calls per timing (a decode step or a routing: ~ms)
+
+
+def guard_pair(default: Callable[[], Any], fallback: Callable[[], Any], calls: int, repeats: int,
+               max_seconds: float) -> dict[str, float]:
+    """Seconds per call of a warmed-up default and its fallback (the best of ``repeats`` alternating timings of
+    ``calls`` calls each) and their ratio. A ratio above :data:`GUARD_RATIO` is measured once more and judged on
+    that second measurement (``first_ratio`` keeps the first): a real inversion persists, a noisy moment does not."""
+
+    def measure() -> dict[str, float]:
+        def many(fn: Callable[[], Any]) -> Callable[[], None]:
+            def run() -> None:
+                for _ in range(calls):
+                    fn()
+
+            return run
+
+        t = _measure({"default": many(default), "fallback": many(fallback)}, repeats, max_seconds)
+        d, f = t["default"]["min"] / calls, t["fallback"]["min"] / calls
+        return {"default": d, "fallback": f, "ratio": d / f}
+
+    first = measure()
+    if first["ratio"] <= GUARD_RATIO:
+        return first
+    return {**measure(), "first_ratio": first["ratio"]}
 
 
 def _guard_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -833,14 +857,9 @@ def _guard_worker(spec: dict[str, Any]) -> dict[str, Any]:
     index = KeyIndex(1, HKV, cfg.num_groups, "cpu")
     index.extend(k, c, cfg)
     q1 = q[:, :, -1:].contiguous()
-
-    def decode() -> None:
-        for _ in range(GUARD_DECODE_STEPS):
-            attention.focus_attention(q1, k, v, c, cfg, key_index=index)
-
     parts = {"prefill": lambda: attention.focus_attention(q, k, v, c, cfg)}
     if native.applies(k, v):  # (else the decode step is PyTorch's either way)
-        parts["decode step"] = decode
+        parts["decode step"] = lambda: attention.focus_attention(q1, k, v, c, cfg, key_index=index)
     if native.routes(q, c):  # (likewise routing)
         parts["routing"] = lambda: routing.hard_groups(q, c, 1)
     res: dict[str, Any] = {"n": spec["n"], "target": spec["target"], "kernels": native.build_label(),
@@ -851,10 +870,7 @@ def _guard_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 fn()
 
         fn(), fallback()  # warm-up
-        t = _measure({"default": fn, "fallback": fallback}, spec["repeats"], spec["max_seconds"])
-        scale = GUARD_DECODE_STEPS if name == "decode step" else 1
-        res[name] = {"default": t["default"]["min"] / scale, "fallback": t["fallback"]["min"] / scale,
-                     "ratio": t["default"]["min"] / t["fallback"]["min"]}
+        res[name] = guard_pair(fn, fallback, GUARD_CALLS[name], spec["repeats"], spec["max_seconds"])
     return res
 
 
@@ -1039,14 +1055,13 @@ def to_markdown(results: dict[str, Any]) -> str:
     if results.get("guard"):
         lines += ["## Guard (default kernels against their PyTorch fallbacks, float32, alternating in one process)",
                   "", f"Fails where a default takes more than {GUARD_RATIO}x its fallback's time (ratio = default / "
-                  "fallback; below 1 the default is faster).", "",
+                  "fallback; below 1 the default is faster; a ratio above it is measured once more and judged on "
+                  "that, the first in brackets).", "",
                   "| C kernels built for | N | " + " | ".join(f"{p} default ms | fallback ms | ratio"
                                                            for p in GUARD_PARTS) + " |",
                   "|---|---|" + "---|---|---|" * len(GUARD_PARTS)]
         for r in results["guard"]:
-            cells = [f"{_ms(r[p]['default'])} | {_ms(r[p]['fallback'])} | "
-                     f"{'**' if r[p]['ratio'] > GUARD_RATIO else ''}{r[p]['ratio']:.2f}" if p in r else
-                     "PyTorch's | (the same) | -" for p in GUARD_PARTS]
+            cells = [_guard_cell(r[p]) if p in r else "PyTorch's | (the same) | -" for p in GUARD_PARTS]
             lines.append(f"| {r['kernels']} | {r['n']} | " + " | ".join(cells) + " |")
         lines.append("")
     if results.get("targets"):
@@ -1055,6 +1070,13 @@ def to_markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {t['target']} | {t['value']:.2f} | {t['goal']:g} | {'yes' if t['met'] else 'NO'} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _guard_cell(part: dict[str, float]) -> str:
+    ratio = f"{'**' if part['ratio'] > GUARD_RATIO else ''}{part['ratio']:.2f}"
+    if "first_ratio" in part:
+        ratio += f" (first {part['first_ratio']:.2f})"
+    return f"{_ms(part['default'])} | {_ms(part['fallback'])} | {ratio}"
 
 
 def plot(results: dict[str, Any], path: str | os.PathLike) -> None:

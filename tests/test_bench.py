@@ -2,6 +2,7 @@
 timed, and the guard holds."""
 
 import json
+import time
 
 import pytest
 
@@ -68,6 +69,29 @@ def test_guard_default_kernels_are_not_slower_than_their_fallbacks(tmp_path):
         for part in set(bench.GUARD_PARTS) & set(row):
             assert 0 < row[part]["ratio"] <= bench.GUARD_RATIO
     assert "## Guard" in (tmp_path / "bench.md").read_text()
+
+
+def test_guard_judges_an_inversion_on_a_second_measurement():
+    """A default slow only for a moment (its first timings) passes on the second measurement, which the result shows
+    next to the first; a default slow every time stays inverted. Times per call come from ``calls`` calls."""
+    state = {"calls": 0}
+
+    def hiccup() -> None:  # 30 ms for its first 6 calls (the first measurement: warm-up excluded), then 1 ms
+        state["calls"] += 1
+        time.sleep(0.03 if state["calls"] <= 6 else 0.001)
+
+    def fallback() -> None:
+        time.sleep(0.005)
+
+    noisy = bench.guard_pair(hiccup, fallback, calls=2, repeats=3, max_seconds=10)
+    assert noisy["first_ratio"] > 3 * bench.GUARD_RATIO and noisy["ratio"] < 1
+    assert noisy["fallback"] == pytest.approx(0.005, rel=0.8)  # per call, not per timing of 2 calls
+    slow = bench.guard_pair(lambda: time.sleep(0.03), fallback, calls=2, repeats=3, max_seconds=10)
+    assert slow["ratio"] > 3 * bench.GUARD_RATIO and slow["first_ratio"] > 3 * bench.GUARD_RATIO
+    fine = bench.guard_pair(lambda: time.sleep(0.001), fallback, calls=2, repeats=3, max_seconds=10)
+    assert fine["ratio"] < 1 and "first_ratio" not in fine
+    assert "0.40 (first 4.00)" in bench._guard_cell({"default": 0.002, "fallback": 0.005, "ratio": 0.4,
+                                                     "first_ratio": 4.0})
 
 
 def test_a_wrong_kernel_is_refused(monkeypatch, tmp_path):
