@@ -243,7 +243,6 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
         tc = TrainConfig(objective=args.objective, steps=args.steps, batch_size=args.batch_size,
                          seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, balance_weight=args.balance_weight,
                          query_samples=args.query_samples, repeats=args.repeats, repeat_span=args.repeat_span,
-                         novel_rows=args.novel_rows,
                          init="keep" if args.init_from else args.init, seed=args.seed, eval_every=args.eval_every,
                          checkpoint_every=args.checkpoint_every, train_layers=args.train_layers)
         check_batch(tc.batch_size, world)
@@ -563,9 +562,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="distill, kd: spans copied far ahead into each training sequence, half the rows (distill) or "
                         "half the loss (kd) read them back")
     t.add_argument("--repeat-span", type=int, default=c.repeat_span, help="tokens per copied span")
-    t.add_argument("--novel-rows", type=float, default=c.novel_rows, metavar="SHARE",
-                   help="distill: this share of the rows from those 1-16 windows after a one-off sentence among "
-                        "repeated text, in the sequences that have one (docs/passkey.md, point 41)")
     t.add_argument("--repetitive", type=int, default=0, metavar="N",
                    help="add N documents of repetitive training text (a few sentences of the training data repeated, "
                         "other sentences among the copies) to the training data: far attention over repetition, as "

@@ -97,7 +97,6 @@ class TrainConfig:
     query_samples: int = 192  # distill: attention rows per sequence and layer
     repeats: int = 0  # distill, kd: spans copied far ahead into each training sequence (long-range repetition)
     repeat_span: int = 32  # tokens per copied span
-    novel_rows: float = 0.0  # distill: share of the rows drawn after a one-off sentence among repetition, where any
     init: str = "kmeans"  # spherical k-means of the keys of the first sequence, "random", or "keep" (fine-tune)
     train_layers: list[int] | None = None  # Focus layers whose centroids learn (None: all); the rest stay as they start
     seed: int = 0
@@ -118,9 +117,6 @@ class TrainConfig:
                 self.train_layers) or not all(isinstance(x, int) and x >= 0 for x in self.train_layers)):
             raise ValueError(f"train_layers={self.train_layers!r} must be None (every Focus layer) or distinct layer "
                              "indices >= 0")
-        if not 0 <= self.novel_rows <= 1 or (self.novel_rows and self.objective != "distill"):
-            raise ValueError(f"novel_rows={self.novel_rows!r} must be in [0, 1], and > 0 only with objective="
-                             "'distill' (it chooses which rows are distilled)")
         if self.repeats and self.objective == "lm":
             raise ValueError("repeats needs objective='distill' or 'kd' (the copies choose which rows or positions "
                              "are distilled)")
@@ -380,35 +376,6 @@ def with_repeats(seq: torch.Tensor, count: int, span: int, min_gap: int,
     return out, torch.cat(follow) if follow else torch.zeros(0, dtype=torch.long)
 
 
-def rows_after_novel(seq: torch.Tensor, window: int, windows: int = 16, ngram: int = 8, context: int | None = None,
-                     repeated: float = 0.9) -> torch.Tensor:
-    """Positions of ``seq [L]`` that lie 1 to ``windows`` windows (``window`` tokens each) after a novel token among
-    repetition.
-
-    A token is novel where the ``ngram`` tokens ending at it occur nowhere earlier in ``seq``, and it stands among
-    repetition where at least ``repeated`` of the ``context`` (default: ``window``) tokens before it are not novel:
-    a one-off sentence in text that repeats, as a passkey's needle in its filler. The rows after it, beyond the
-    window, are those whose full attention reads it back through the groups alone (docs/passkey.md, point 41).
-    Prose has none.
-    """
-    ids, context = seq.tolist(), context or window
-    if len(ids) <= context:
-        return torch.zeros(0, dtype=torch.long)
-    seen: set[tuple[int, ...]] = set()
-    novel = torch.zeros(len(ids), dtype=torch.bool)
-    for i in range(ngram - 1, len(ids)):
-        gram = tuple(ids[i - ngram + 1:i + 1])
-        novel[i] = gram not in seen
-        seen.add(gram)
-    share = F.avg_pool1d((~novel).float()[None, None], context, stride=1)[0, 0]  # share[j]: over tokens j..j+context-1
-    among = torch.zeros_like(novel)
-    among[context:] = novel[context:] & (share[:len(ids) - context] >= repeated)
-    rows = torch.zeros_like(novel)
-    for i in among.nonzero()[:, 0].tolist():
-        rows[i + window:i + windows * window] = True
-    return rows.nonzero()[:, 0]
-
-
 # ---- one step ------------------------------------------------------------------------------------
 
 
@@ -443,10 +410,6 @@ def accumulate_gradients(model: nn.Module, adapter: FocusAdapter, sequences: tor
                 seq, follow = with_repeats(seq.cpu(), tc.repeats, tc.repeat_span, cfg.window, gen)
                 pick = follow[torch.randint(0, len(follow), (tc.query_samples // 2,), generator=gen)]
                 idx = torch.cat([idx[:tc.query_samples - len(pick)], pick])
-            novel = rows_after_novel(seq.cpu(), cfg.window) if tc.novel_rows else torch.zeros(0, dtype=torch.long)
-            if len(novel):  # the first rows from those after a one-off sentence among repetition
-                count = round(tc.novel_rows * tc.query_samples)
-                idx = torch.cat([novel[torch.randint(0, len(novel), (count,), generator=gen)], idx[count:]])
             qkv = teacher_qkv(model, seq[None])
             idx = idx.to(next(model.parameters()).device)
             slots = trained_slots(adapter, tc)

@@ -361,38 +361,6 @@ def test_repeats_change_what_is_distilled():
         TrainConfig(repeats=-1)
 
 
-def test_rows_after_novel_find_the_rows_beyond_the_window_after_a_one_off_sentence():
-    """Repeated text with one inserted sentence: the rows 1-16 windows after the sentence's tokens; none in text that
-    never repeats, nor where the novel tokens are not among repetition (the first copy)."""
-    block, fact = list(range(10, 40)), list(range(60, 72))  # 30 tokens repeated, a 12-token sentence once
-    seq = torch.tensor(block * 20 + fact + block * 20)
-    at = 30 * 20  # the sentence's first token
-    rows = T.rows_after_novel(seq, window=8, windows=4, ngram=4, context=64)
-    # novel: the sentence and the 3 n-grams that span its end; among repetition: those with at most 6 of the 64
-    # tokens before them novel, the sentence's first 7
-    assert rows.tolist() == list(range(at + 8, at + 6 + 32))
-    assert len(T.rows_after_novel(torch.randperm(2000), window=8, ngram=4, context=64)) == 0
-
-
-def test_novel_rows_change_what_is_distilled():
-    """With repeating training text the distilled rows move to after its one-off sentences; on text without any the
-    training is the same as without the option."""
-    model = tiny_llama()
-    rep = torch.tensor(([5, 6, 7, 8, 9, 10] * 5 + [20, 21, 22] + [5, 6, 7, 8, 9, 10] * 3)[:48])
-    data = torch.stack([rep] * 6)
-    for seqs, differ in ((data, True), (windows(), False)):
-        out = []
-        for share in (0.0, 0.75):
-            adapter = FocusAdapter.for_model(model, FOCUS, seed=0)
-            tc = TrainConfig(steps=2, seq_len=48, query_samples=16, novel_rows=share)
-            train(model, adapter, seqs, tc, progress=False)
-            out.append(adapter.centroids.detach())
-        assert torch.equal(out[0], out[1]) != differ
-    for bad in ({"novel_rows": 1.5}, {"novel_rows": -0.1}, {"novel_rows": 0.5, "objective": "kd"}):
-        with pytest.raises(ValueError, match="novel_rows"):
-            TrainConfig(**bad)
-
-
 def test_train_refuses_inputs_it_cannot_learn_from():
     model = tiny_llama()
     adapter = FocusAdapter.for_model(model, FOCUS)
