@@ -827,15 +827,17 @@ def guard_pair(default: Callable[[], Any], fallback: Callable[[], Any], calls: i
     ``calls`` calls each) and their ratio. A ratio above :data:`GUARD_RATIO` is measured once more and judged on
     that second measurement (``first_ratio`` keeps the first): a real inversion persists, a noisy moment does not."""
 
+    def many(fn: Callable[[], Any]) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(calls):
+                fn()
+
+        return run
+
+    timed = {"default": many(default), "fallback": many(fallback)}
+
     def measure() -> dict[str, float]:
-        def many(fn: Callable[[], Any]) -> Callable[[], None]:
-            def run() -> None:
-                for _ in range(calls):
-                    fn()
-
-            return run
-
-        t = _measure({"default": many(default), "fallback": many(fallback)}, repeats, max_seconds)
+        t = _measure(timed, repeats, max_seconds)
         d, f = t["default"]["min"] / calls, t["fallback"]["min"] / calls
         return {"default": d, "fallback": f, "ratio": d / f}
 

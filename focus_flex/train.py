@@ -402,6 +402,7 @@ def accumulate_gradients(model: nn.Module, adapter: FocusAdapter, sequences: tor
     cfg = adapter.config
     sums = {"loss": 0.0, tc.objective: 0.0, "balance": 0.0}
     global_batch = tc.batch_size
+    slots = trained_slots(adapter, tc)
     for seq, position in zip(sequences, positions, strict=True):
         if tc.objective == "distill":
             gen = _step_generator(tc.seed, step, 2 + position)
@@ -412,7 +413,6 @@ def accumulate_gradients(model: nn.Module, adapter: FocusAdapter, sequences: tor
                 idx = torch.cat([idx[:tc.query_samples - len(pick)], pick])
             qkv = teacher_qkv(model, seq[None])
             idx = idx.to(next(model.parameters()).device)
-            slots = trained_slots(adapter, tc)
             for slot in slots:  # layer-local: a layer whose centroids do not learn has nothing to distill
                 q, k, v, scale = qkv[cfg.layers[slot]]
                 err, bal = distill_layer_loss(q, k, v, adapter.centroids[slot], cfg, idx, scale,
