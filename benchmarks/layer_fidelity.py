@@ -1,12 +1,13 @@
 """``python -m benchmarks.layer_fidelity``: how much of each layer's attention an adapter's hard pattern keeps.
 
 For a passkey prompt (``--haystack``, ``--length``; the needle at ``--depth``), or a window of the training books
-(``--haystack train``: text the centroids were trained on, no needle), the model runs once with its own attention;
-for ``--queries`` random query positions in the prompt's second half, every Focus layer reports, averaged over its
-heads (with ``--per-head``, over the query heads of each KV head): the share of full attention's probability mass on
-pairs the adapter's hard pattern computes (``kept``), the relative squared error of the layer output with the row
-renormalised to those pairs (``error``: :func:`focus_flex.train.output_error`), and the mass full attention puts
-beyond the window and sinks (``far``).
+(``--haystack train``: text the centroids were trained on, no needle), or a repetitive document built from them
+(``--haystack repetitive``: :func:`focus_flex.data.repetitive_documents`, no needle), the model runs once with its
+own attention; for ``--queries`` random query positions in the prompt's second half, every Focus layer reports,
+averaged over its heads (with ``--per-head``, over the query heads of each KV head): the share of full attention's
+probability mass on pairs the adapter's hard pattern computes (``kept``), the relative squared error of the layer
+output with the row renormalised to those pairs (``error``: :func:`focus_flex.train.output_error`), and the mass
+full attention puts beyond the window and sinks (``far``).
 Several ``--adapters`` are compared side by side on the same forward; with ``--per-head``, the KV heads of the
 first adapter with the largest output error are listed last.
 """
@@ -19,7 +20,7 @@ import torch
 
 from benchmarks.bench import machine_info
 from focus_flex import FocusAdapter
-from focus_flex.data import load_documents, token_windows
+from focus_flex.data import load_documents, repetitive_documents, token_windows
 from focus_flex.models import load_model
 from focus_flex.passkey import build_prompt
 from focus_flex.train import QKV, _attention_rows, centerings, hard_fidelity, teacher_qkv
@@ -59,7 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--adapters", nargs="+", default=["hub/smollm2-135m-instruct-focus",
                                                           "hub/smollm2-135m-instruct-focus-retrieval"])
-    parser.add_argument("--haystack", choices=["filler", "prose", "train"], default="prose")
+    parser.add_argument("--haystack", choices=["filler", "prose", "train", "repetitive"], default="prose")
     parser.add_argument("--length", type=int, default=8192)
     parser.add_argument("--depth", type=int, default=10, help="the needle's depth, % of the prompt")
     parser.add_argument("--per-head", action="store_true", help="one row per (layer, KV head)")
@@ -71,6 +72,10 @@ def main() -> None:
     model.eval()
     if args.haystack == "train":
         ids = token_windows(load_documents(split="train"), tokenizer, args.length, max_windows=1)
+    elif args.haystack == "repetitive":
+        books = load_documents(split="train")
+        docs = repetitive_documents(books, 1 + args.seed % len(books), tokenizer, args.length, args.seed)[-1:]
+        ids = token_windows(docs, tokenizer, args.length, max_windows=1)
     else:
         ids = build_prompt(tokenizer, args.length, args.depth, "49396", args.haystack).input_ids[None]
     gen = torch.Generator().manual_seed(args.seed)
@@ -78,7 +83,7 @@ def main() -> None:
     qkv = teacher_qkv(model, ids)
     rows = {a: layer_fidelity(model, FocusAdapter.from_pretrained(a), qkv, idx) for a in args.adapters}
     hkv = model.config.num_key_value_heads
-    needle = "" if args.haystack == "train" else f", needle at {args.depth}%"
+    needle = "" if args.haystack in ("train", "repetitive") else f", needle at {args.depth}%"
     print(f"\n{args.haystack}, {args.length} tokens{needle}, {args.queries} queries: kept / error / far per adapter\n")
     print(f"| {'layer.KV head' if args.per_head else 'layer'} | " + " | ".join(args.adapters) + " |")
     print("|---|" + "---|" * len(args.adapters))
