@@ -73,8 +73,7 @@ def main() -> None:
     if args.haystack == "train":
         ids = token_windows(load_documents(split="train"), tokenizer, args.length, max_windows=1)
     elif args.haystack == "repetitive":
-        books = load_documents(split="train")
-        docs = repetitive_documents(books, 1 + args.seed % len(books), tokenizer, args.length, args.seed)[-1:]
+        docs = repetitive_documents(load_documents(split="train"), 1, tokenizer, args.length, args.seed)
         ids = token_windows(docs, tokenizer, args.length, max_windows=1)
     else:
         ids = build_prompt(tokenizer, args.length, args.depth, "49396", args.haystack).input_ids[None]
