@@ -447,7 +447,8 @@ def model_card(config_dict: dict[str, Any], *, repo_id: str | None, results: dic
     rows += [f"| `{k}` | {_cell(v)} |" for k, v in sorted(cfg.items())
              if k not in _CARD_FIELDS and k not in ("extra", "focus_flex_version")]
     shown = {k: v for k, v in extra.items()
-             if k not in ("results", "results_markdown", "command", "training", "passkey_markdown")}
+             if k not in ("results", "results_markdown", "command", "training", "passkey_markdown")
+             and not (k == "trained_with" and isinstance(v, str) and command and v.strip() in command)}
     if shown:
         rows.append(f"| `extra` | {_cell(shown)} |")
 

@@ -523,6 +523,11 @@ def test_model_card():
     assert "| ppl | 9.5 |" in rec and '"steps": 100' in rec
     trained = hub.model_card({**cfg, "extra": {"training": {"objective": "distill", "steps": 24}}}, repo_id="a/b")
     assert "| `objective` | distill |" in trained and "| `extra` |" not in trained
+    # How it was made is shown once: under "How it was made", not again in the config table.
+    made = {**cfg, "extra": {"trained_with": "focus-flex retrofit --steps 24", "init_from": "runs/a"}}
+    card = hub.model_card(made, repo_id="a/b", command="focus-flex retrofit --steps 24\n# then evaluated with:\nx")
+    assert card.count("focus-flex retrofit --steps 24") == 1 and '"init_from": "runs/a"' in card
+    assert "--steps 24" in hub.model_card(made, repo_id="a/b")  # no command: the table is where it shows
     exact = hub.model_card(cfg, repo_id="a/b", tensor_shapes={"centroids": [3, 3, 16, 64]})
     assert "`centroids` [3, 3, 16, 64]" in exact
 
