@@ -448,19 +448,10 @@ def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     fused = kernel == "flash" and native.prefill_applies(q, k, v)
-    apart = FocusConfig(**{**spec["focus"], "num_groups": 2})  # queries in group 0, keys in 1: no far pair
 
     def window() -> Any:  # window + sinks only: the default kernel without a far pair
-        if fused:
-            out = torch.empty_like(q)
-            plan = native.prefill_plan(torch.zeros(rep, n, 1, dtype=torch.long), torch.ones(n, 1, dtype=torch.long),
-                                       apart)
-            for j in range(HKV):
-                hs = slice(j * rep, (j + 1) * rep)
-                native.prefill(q[0, hs], k[0, j], v[0, j], plan, apart, scale, out[0, hs], threads)
-            return out
         if kernel == "flash":
-            return [flash.local_part(q[0, j * rep:(j + 1) * rep], k[0, j], v[0, j], 0, cfg, scale) for j in range(HKV)]
+            return flash.window_attention(q, k, v, cfg.window, cfg.sink_tokens, scale)
         lay = fplan.local_plan(valid, n, cfg, attention.lse_route(q.device) == "extra_key")
         part = attention.local_part(q, k, v, valid, lay, cfg, scale)
         return part.out[..., :HEAD_DIM] * (1 if part.norm is None else part.norm[..., None])

@@ -36,11 +36,11 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from focus_flex import routing
-from focus_flex.adapter import FocusAdapter, has_focus
-from focus_flex.attention import default_kernel
+from focus_flex import flash, routing
+from focus_flex.adapter import FocusAdapter, FocusMask, has_focus
+from focus_flex.attention import decode_attention, default_kernel
 from focus_flex.attention import dense_decode as dense_decode_step
-from focus_flex.config import tail_queries
+from focus_flex.config import DECODE_MAX_QUERIES, tail_queries
 from focus_flex.data import check_windows
 
 MODES = ("full", "focus", "soft", "window", "random")
@@ -141,25 +141,36 @@ def matching_pattern_window(far: torch.Tensor, n: int, sinks: int, density: floa
 def window_only(model: nn.Module, window: int, sinks: int, layers: list[int] | None = None, *,
                 dense_decode: bool = False, dense_tail: int = 0) -> Iterator[None]:
     """While active, ``layers`` (default: all) attend only to the last ``window`` tokens and the first ``sinks``
-    (SDPA with a dense bool mask; positions are indices, so inputs must not be left-padded); with ``dense_decode``,
-    decode steps (as :attr:`FocusConfig.dense_decode`) attend every earlier token, and with ``dense_tail`` so do the
-    last queries of a prefill (as :attr:`FocusConfig.dense_tail`)."""
+    (positions are indices, so inputs must not be left-padded); with ``dense_decode``, decode steps (as
+    :attr:`FocusConfig.dense_decode`) attend every earlier token, and with ``dense_tail`` so do the last queries of a
+    prefill (as :attr:`FocusConfig.dense_tail`). An unpadded prefill on CPU computes only those pairs
+    (:func:`flash.window_attention`); other calls run SDPA with a dense bool mask."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        lq, lk = query.shape[2], key.shape[2]
-        if (layers is None or module.layer_idx in layers) and not dense_decode_step(dense_decode, lq):
+        (lq, d), lk = query.shape[2:], key.shape[2]
+        windowed = (layers is None or module.layer_idx in layers) and not dense_decode_step(dense_decode, lq)
+        tail, padding = tail_queries(dense_tail, lq), attention_mask.padding
+        if (windowed and query.device.type == "cpu" and lq > DECODE_MAX_QUERIES and attention_mask.is_causal
+                and not dropout and (padding is None or bool(padding.all()))):
+            scale = d ** -0.5 if scaling is None else scaling
+            out = flash.window_attention(query, key, value, window, sinks, scale)
+            if tail:
+                valid = torch.ones(key.shape[0], lk, dtype=torch.bool)
+                out[:, :, -tail:] = decode_attention(query[:, :, -tail:], key, value, valid, scale).to(out.dtype)
+            return out.transpose(1, 2).contiguous(), None
+        mask = attention_mask.dense()
+        if windowed:
             i = torch.arange(lk - lq, lk, device=query.device)[:, None]
             j = torch.arange(lk, device=query.device)[None, :]
-            mask = (j <= i) & ((i - j < window) | (j < sinks) | (i >= lk - tail_queries(dense_tail, lq)))
-            attention_mask = mask if attention_mask is None else attention_mask & mask
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+            band = ((j <= i) & ((i - j < window) | (j < sinks) | (i >= lk - tail)))[None, None]
+            mask = band if mask is None else mask & band
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
     AttentionInterface.register(WINDOW_ONLY, attention)
-    AttentionMaskInterface.register(WINDOW_ONLY, lambda **kw: sdpa_mask(**{**kw, "allow_is_causal_skip": False}))
+    AttentionMaskInterface.register(WINDOW_ONLY, FocusMask)
     original = model.config._attn_implementation
     model.set_attn_implementation(WINDOW_ONLY)
     try:

@@ -98,6 +98,34 @@ def local_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, co
     return out.view(r, nc * c, d)[:, :lq], lse.view(r, nc * c)[:, :lq]
 
 
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, sinks: int,
+                     scale: float) -> torch.Tensor:
+    """Window + sinks attention of an unpadded CPU prefill (the window-only baseline at its own cost): the local part
+    alone, per batch row and KV head, O(Lq (window + sinks)) pairs instead of a masked dense SDPA's O(Lq Lk). In C
+    where :func:`native.prefill_applies` (a far plan whose queries and keys share no group), else
+    :func:`local_part`.
+
+    q ``[B, Hq, Lq, D]`` at positions ``[Lk - Lq, Lk)``, k/v ``[B, Hkv, Lk, D]`` -> ``[B, Hq, Lq, D]``: query i attends
+    key j iff ``j <= i`` and (``i - j < window`` or ``j < sinks``).
+    """
+    (b, hq, lq, _), (hkv, lk) = q.shape, k.shape[1:3]
+    rep, threads = hq // hkv, torch.get_num_threads()
+    config = FocusConfig(num_groups=2, window=window, sink_tokens=sinks)
+    fused = native.prefill_applies(q, k, v)
+    if fused:  # queries in group 0, keys in group 1: no far pair
+        plan = native.prefill_plan(torch.zeros(rep, lq, 1, dtype=torch.long), torch.ones(lk, 1, dtype=torch.long),
+                                   config)
+    out = torch.empty_like(q)
+    for i in range(b):
+        for j in range(hkv):
+            hs = slice(j * rep, (j + 1) * rep)
+            if fused:
+                native.prefill(q[i, hs], k[i, j], v[i, j], plan, config, scale, out[i, hs], threads)
+            else:
+                out[i, hs] = local_part(q[i, hs], k[i, j], v[i, j], lk - lq, config, scale)[0].to(q.dtype)
+    return out
+
+
 class FarPlan(NamedTuple):
     """Where every far query copy looks, for one sequence and KV head (no O(N^2) work: two sorts, searchsorted).
 

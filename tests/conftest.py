@@ -44,3 +44,11 @@ def decode_path(request, monkeypatch):
     else:
         monkeypatch.setattr(native, "library", lambda: None)
     return request.param
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """The embedded SmolLM2-135M-Instruct and its tokenizer (focus_flex.models.load_model)."""
+    from focus_flex.models import load_model
+
+    return load_model()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import replace
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from focus_flex import FocusAdapter, FocusConfig, routing
+from focus_flex import FocusAdapter, FocusConfig, flash, native, routing
 from focus_flex import evaluate as E
 from focus_flex.attention import focus_pattern
 
@@ -86,6 +87,56 @@ def test_window_only_restricts_attention_and_restores_the_model():
             assert not torch.equal(model(x).logits[0, 20], model(y).logits[0, 20])
         assert model.config._attn_implementation == "sdpa"
         assert torch.equal(model(x).logits, full)
+
+
+def banded(lq: int, lk: int, window: int, sinks: int, tail: int = 0) -> torch.Tensor:
+    """The window-only pattern as a dense bool mask ``[Lq, Lk]`` (queries at positions ``[Lk - Lq, Lk)``)."""
+    i, j = torch.arange(lk - lq, lk)[:, None], torch.arange(lk)[None, :]
+    return (j <= i) & ((i - j < window) | (j < sinks) | (i >= lk - tail))
+
+
+@pytest.mark.parametrize("c_kernel", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lq,lk,window,sinks", [(200, 200, 32, 4), (150, 300, 64, 0), (100, 100, 500, 3),
+                                                (97, 161, 1, 70)])
+def test_window_attention_equals_dense_masked_attention(c_kernel, dtype, lq, lk, window, sinks):
+    g = torch.Generator().manual_seed(lq)
+    q = torch.randn(2, 6, lq, 64, generator=g).to(dtype)
+    k, v = (torch.randn(2, 2, lk, 64, generator=g).to(dtype) for _ in range(2))
+    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=banded(lq, lk, window, sinks),
+                                              enable_gqa=True)
+    with contextlib.nullcontext() if c_kernel else native.disabled():
+        assert native.prefill_applies(q, k, v) == c_kernel
+        out = flash.window_attention(q, k, v, window, sinks, 64 ** -0.5)
+    assert out.dtype == dtype
+    assert (out.float() - expected).abs().max() <= (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@torch.no_grad()
+def test_window_only_on_a_real_model_equals_its_dense_masked_attention(smollm2):
+    """The window-only baseline of the embedded model (its fast path on CPU, with a dense tail) against the same
+    pattern as a dense mask in the model's own SDPA."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    model, _ = smollm2
+    window, sinks, tail = 96, 4, 16
+
+    def masked(module, query, key, value, attention_mask, **kwargs):
+        mask = banded(query.shape[2], key.shape[2], window, sinks, tail)[None, None]
+        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+
+    AttentionInterface.register("test_banded", masked)
+    x = torch.randint(0, model.config.vocab_size, (2, 400), generator=torch.Generator().manual_seed(0))
+    full = model(x).logits
+    with E.window_only(model, window, sinks, dense_tail=tail):
+        fast = model(x).logits
+    model.set_attn_implementation("test_banded")
+    try:
+        expected = model(x).logits
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert (fast - expected).abs().max() <= 1e-3 < (fast - full).abs().max()
 
 
 def test_evaluate_all_modes_and_reports(tmp_path):

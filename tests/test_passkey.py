@@ -17,13 +17,6 @@ from focus_flex.evaluate import window_only
 ADAPTER = str(Path(__file__).resolve().parents[1] / "hub" / "smollm2-135m-instruct-focus")
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from focus_flex.models import load_model
-
-    return load_model()
-
-
 def test_score_takes_the_first_number_exactly():
     assert P.score(" 71432.", "71432")
     assert P.score(" 7 1 4 3 2", "71432") is False  # digits must form one number
