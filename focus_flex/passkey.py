@@ -24,7 +24,7 @@ Protocol (Mohtashami & Jaggi, 2023, adapted to an instruct model; docs/passkey.m
   and another answer does not flip.
 * **Modes.** ``full``: the model's own attention. ``focus``: the adapter attached, hard routing (inference path,
   prefill and decode). ``window``: window + sinks only, the window set so that its density over ``length`` tokens
-  matches ``focus``'s density measured on the prefills of the same haystack and length (both phrasings)
+  matches ``focus``'s density measured on the prefills of the same haystack, phrasing and length
   (:func:`focus_flex.evaluate.matching_window`); with the adapter's ``dense_decode``, window-only's decode steps
   attend every earlier token too, and with its ``dense_tail`` the last queries of its prefill.
 """
@@ -384,7 +384,8 @@ def passkey_eval(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None,
 
 def _run(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None, mode: str,
          cell: Prompt, prompt: PasskeyPrompt, results: list[PasskeyResult]) -> None:
-    """One prompt in one mode, appended to ``results`` (window-only's window matches the focus results')."""
+    """One prompt in one mode, appended to ``results`` (window-only's window matches the focus results of its haystack,
+    length and phrasing)."""
     haystack, length, depth, number, phrasing = cell
     t0 = time.perf_counter()
     if mode == "full":
@@ -402,7 +403,8 @@ def _run(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None, mode: s
     else:
         assert adapter is not None
         cfg = adapter.config
-        focus = [r.density for r in results if r.mode == "focus" and (r.haystack, r.length) == (haystack, length)]
+        focus = [r.density for r in results
+                 if r.mode == "focus" and (r.haystack, r.length, r.phrasing) == (haystack, length, phrasing)]
         tail = cfg.tail(length)
         w = matching_window(length, cfg.sink_tokens, sum(focus) / len(focus), tail)
         with window_only(model, w, cfg.sink_tokens, cfg.layers, dense_decode=cfg.dense_decode,

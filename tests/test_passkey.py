@@ -240,6 +240,25 @@ def test_eval_task_passkey_writes_table_json_and_heatmaps(tmp_path, capsys):
     assert "no full-attention result for 2 of the 4 prompts" in capsys.readouterr().err
 
 
+def test_window_only_is_matched_to_focus_on_the_prompts_of_its_own_phrasing(smollm2):
+    """Each phrasing's window-only density is matched to Focus's mean density over that phrasing's prompts (their
+    windows differ here: pooling both phrasings would give each the same one)."""
+    from focus_flex.evaluate import matching_window, window_density
+
+    model, tokenizer = smollm2
+    adapter = FocusAdapter.from_pretrained(ADAPTER)
+    cfg, n = adapter.config, 640
+    rows = P.passkey_eval(model, tokenizer, adapter, lengths=[n], depths=[10, 50], keys_per_cell=1,
+                          haystacks=["prose"], modes=["focus", "window"], progress=False)
+    tail, windows = cfg.tail(n), {}
+    for phrasing in P.PHRASINGS:
+        focus = [r.density for r in rows if (r.mode, r.phrasing) == ("focus", phrasing)]
+        windows[phrasing] = matching_window(n, cfg.sink_tokens, sum(focus) / len(focus), tail)
+        expected = window_density(n, windows[phrasing], cfg.sink_tokens, tail)
+        assert all(r.density == expected for r in rows if (r.mode, r.phrasing) == ("window", phrasing))
+    assert len(set(windows.values())) == len(P.PHRASINGS), windows
+
+
 @pytest.mark.slow
 def test_eval_task_passkey_reuses_an_older_run_for_its_phrasing_only(tmp_path, capsys):
     """Results written before phrasings existed are the passkey's: asking for RULER's too names what the file holds."""
