@@ -38,9 +38,9 @@ from tqdm.auto import tqdm
 
 from focus_flex import flash, routing
 from focus_flex.adapter import FocusAdapter, FocusMask, has_focus
-from focus_flex.attention import decode_attention, default_kernel
+from focus_flex.attention import default_kernel, with_dense_tail
 from focus_flex.attention import dense_decode as dense_decode_step
-from focus_flex.config import DECODE_MAX_QUERIES, tail_queries
+from focus_flex.config import DECODE_MAX_QUERIES, FocusConfig, tail_queries
 from focus_flex.data import check_windows
 
 MODES = ("full", "focus", "soft", "window", "random")
@@ -157,9 +157,7 @@ def window_only(model: nn.Module, window: int, sinks: int, layers: list[int] | N
                 and not dropout and (padding is None or bool(padding.all()))):
             scale = d ** -0.5 if scaling is None else scaling
             out = flash.window_attention(query, key, value, window, sinks, scale)
-            if tail:
-                valid = torch.ones(key.shape[0], lk, dtype=torch.bool)
-                out[:, :, -tail:] = decode_attention(query[:, :, -tail:], key, value, valid, scale).to(out.dtype)
+            out = with_dense_tail(out, query, key, value, FocusConfig(dense_tail=dense_tail), None, scale)
             return out.transpose(1, 2).contiguous(), None
         mask = attention_mask.dense()
         if windowed:
