@@ -19,7 +19,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from benchmarks.bench import machine_info
 from focus_flex.data import load_documents, token_windows
-from focus_flex.evaluate import window_only
+from focus_flex.evaluate import window_mask, window_only
 from focus_flex.models import load_model
 
 MASKED = "window_baseline_masked"
@@ -55,9 +55,7 @@ def main() -> None:
     model.eval()
 
     def masked(module, query, key, value, attention_mask, **kwargs):
-        lq, lk = query.shape[2], key.shape[2]
-        i, j = torch.arange(lk - lq, lk)[:, None], torch.arange(lk)[None, :]
-        band = (j <= i) & ((i - j < args.window) | (j < args.sinks) | (i >= lk - min(args.tail, lq)))
+        band = window_mask(query.shape[2], key.shape[2], args.window, args.sinks, min(args.tail, query.shape[2]))
         return sdpa_attention_forward(module, query, key, value, band[None, None], **kwargs)
 
     AttentionInterface.register(MASKED, masked)

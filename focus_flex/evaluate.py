@@ -137,6 +137,15 @@ def matching_pattern_window(far: torch.Tensor, n: int, sinks: int, density: floa
 # ---- the window-only baseline --------------------------------------------------------------------
 
 
+def window_mask(lq: int, lk: int, window: int, sinks: int, tail: int = 0,
+                device: torch.device | None = None) -> torch.Tensor:
+    """Window-only attention as a dense bool mask ``[Lq, Lk]`` for queries at positions ``[Lk - Lq, Lk)``: key ``j``
+    for query ``i`` iff ``j <= i`` and (``i - j < window`` or ``j < sinks`` or ``i`` is one of the last ``tail``)."""
+    i = torch.arange(lk - lq, lk, device=device)[:, None]
+    j = torch.arange(lk, device=device)[None, :]
+    return (j <= i) & ((i - j < window) | (j < sinks) | (i >= lk - tail))
+
+
 @contextlib.contextmanager
 def window_only(model: nn.Module, window: int, sinks: int, layers: list[int] | None = None, *,
                 dense_decode: bool = False, dense_tail: int = 0) -> Iterator[None]:
@@ -152,7 +161,7 @@ def window_only(model: nn.Module, window: int, sinks: int, layers: list[int] | N
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         (lq, d), lk = query.shape[2:], key.shape[2]
         windowed = (layers is None or module.layer_idx in layers) and not dense_decode_step(dense_decode, lq)
-        tail, padding = tail_queries(dense_tail, lq), attention_mask.padding
+        padding = attention_mask.padding
         if (windowed and query.device.type == "cpu" and lq > DECODE_MAX_QUERIES and attention_mask.is_causal
                 and not dropout and (padding is None or bool(padding.all()))):
             scale = d ** -0.5 if scaling is None else scaling
@@ -161,9 +170,7 @@ def window_only(model: nn.Module, window: int, sinks: int, layers: list[int] | N
             return out.transpose(1, 2).contiguous(), None
         mask = attention_mask.dense()
         if windowed:
-            i = torch.arange(lk - lq, lk, device=query.device)[:, None]
-            j = torch.arange(lk, device=query.device)[None, :]
-            band = ((j <= i) & ((i - j < window) | (j < sinks) | (i >= lk - tail)))[None, None]
+            band = window_mask(lq, lk, window, sinks, tail_queries(dense_tail, lq), query.device)[None, None]
             mask = band if mask is None else mask & band
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
