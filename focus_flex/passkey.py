@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
 import random
 import re
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
@@ -496,10 +498,30 @@ def _mean_logprob(results: list[PasskeyResult]) -> str:
     return f"{total:.2f} ({first:.2f}; {total - first:.2f})"
 
 
+def paired(results: list[PasskeyResult], mode: str) -> list[tuple[PasskeyResult, PasskeyResult]]:
+    """``mode``'s results with full attention's on the same prompt and key (the same seed's), as (mode's, full's)."""
+    full = {(r.prompt, r.key): r for r in results if r.mode == "full"}
+    return [(r, full[r.prompt, r.key]) for r in results if r.mode == mode and (r.prompt, r.key) in full]
+
+
 def retained(results: list[PasskeyResult], mode: str) -> list[PasskeyResult]:
     """``mode``'s results on the prompts that full attention answers correctly (the retrieval Focus must keep)."""
-    solved = {(r.prompt, r.key) for r in results if r.mode == "full" and r.correct}  # the key: the same seed's
-    return [r for r in results if r.mode == mode and (r.prompt, r.key) in solved]
+    return [r for r, full in paired(results, mode) if full.correct]
+
+
+def _against_full(pairs: list[tuple[PasskeyResult, PasskeyResult]]) -> str:
+    """One cell of the paired comparison: the mean difference of the key's log-probability (mode's minus full
+    attention's) ± its standard error over the prompts, then keys lost / gained ("-4/+1")."""
+    lost = sum(f.correct and not r.correct for r, f in pairs)
+    gained = sum(r.correct and not f.correct for r, f in pairs)
+    diff = [r.key_logprob - f.key_logprob for r, f in pairs if r.key_logprob is not None and f.key_logprob is not None]
+    if not diff:
+        mean = "-"
+    else:
+        mean = f"{statistics.fmean(diff):+.2f}"
+        if len(diff) > 1:
+            mean += f" ± {statistics.stdev(diff) / math.sqrt(len(diff)):.2f}"
+    return f"{mean}, -{lost}/+{gained}"
 
 
 def load_passkey(path: str | os.PathLike) -> list[PasskeyResult]:
@@ -556,6 +578,17 @@ def passkey_markdown(results: list[PasskeyResult], protocol: str = "") -> str:
                 kept = retained(rows, mode)
                 lines.append(f"| {mode} | " + " | ".join(_tally([r for r in kept if r.length == n]) for n in lengths)
                              + f" | {_tally(kept)} |")
+            measured = ("the key's log-probability, mode's minus full attention's (nats, mean ± standard error over "
+                        "the prompts; near ties show here before they flip a key), and "
+                        if any(r.key_logprob is not None for r in rows) else "")
+            lines += ["", f"Against full attention on the same prompts: {measured}keys lost (full attention retrieves "
+                      "them, the mode does not) / gained:", "",
+                      "| mode | " + " | ".join(f"{n} tokens" for n in lengths) + " | all |",
+                      "|---" * (len(lengths) + 2) + "|"]
+            for mode in others:
+                pairs = paired(rows, mode)
+                lines.append(f"| {mode} | " + " | ".join(_against_full([(r, f) for r, f in pairs if r.length == n])
+                                                        for n in lengths) + f" | {_against_full(pairs)} |")
         lines.append("")
     return "\n".join(lines) + ("\n" + protocol.strip() + "\n" if protocol else "")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -321,6 +322,25 @@ def test_retention_counts_only_the_keys_full_attention_retrieves():
     table = P.passkey_markdown(results)
     assert "| focus | 1/2 | 1/2 |" in table and "| focus | 2/3 | 2/3 |" in table
     assert "log-probability" not in table  # no result has one: no table of them
+
+
+def test_markdown_compares_each_mode_with_full_attention_prompt_by_prompt():
+    def row(mode, length, depth, correct, logprob):
+        return P.PasskeyResult(mode, "prose", length, depth, 0, "12345", "", correct, depth, 1.0, 0.0, logprob, logprob)
+
+    results = [row("full", 1024, 10, True, -1.0), row("full", 1024, 50, False, -3.0),
+               row("full", 2048, 10, True, -0.5), row("full", 2048, 50, True, -0.5), row("full", 2048, 90, True, -0.5),
+               row("focus", 1024, 10, False, -2.0), row("focus", 1024, 50, True, -3.0),  # lost one, gained one
+               row("focus", 2048, 10, True, -0.5), row("focus", 2048, 50, True, -0.8),
+               row("focus", 2048, 90, True, None),
+               row("focus", 4096, 10, True, -0.1)]  # no full attention result for this prompt: not compared
+    assert [f.length for _, f in P.paired(results, "focus")] == [1024, 1024, 2048, 2048, 2048]
+    table = P.passkey_markdown(results)
+    # differences 1K: -1.0, 0.0 (mean -0.5, s.e. 0.5); 2K: 0.0, -0.3 (the third unmeasured); all: the four
+    all_four = [-1.0, 0.0, 0.0, -0.3]
+    se = statistics.stdev(all_four) / len(all_four) ** 0.5
+    assert (f"| focus | -0.50 ± 0.50, -1/+1 | -0.15 ± 0.15, -0/+0 | -, -0/+0 | "
+            f"{statistics.fmean(all_four):+.2f} ± {se:.2f}, -1/+1 |") in table
 
 
 def test_markdown_averages_the_key_logprob_and_older_results_load_without_one():
