@@ -429,7 +429,7 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
         raise CliError(str(e).replace("length ", "--lengths ", 1)) from e
     out = _eval_output_dir(args)
     command = "focus-flex " + shlex.join(args.argv)
-    results = _reused_full(args) if args.full_results and "full" in args.modes else []
+    results = _reused_full(args) if args.full_results else []  # in the report whatever --modes says
     modes = [m for m in args.modes if not (results and m == "full")]
     if modes:
         results += passkey_eval(model, tokenizer, adapter, args.lengths, args.depths, args.keys_per_cell,
@@ -613,7 +613,8 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--seed", type=int, default=0, help="seed of the keys")
     pk.add_argument("--full-results", metavar="PASSKEY_JSON", nargs="+", default=None,
                     help="reuse the full-attention results of earlier runs (their passkey.json files, together "
-                         "holding this run's prompts; the first named wins) instead of running full attention again")
+                         "holding this run's prompts; the first named wins) instead of running full attention again; "
+                         "they join this run's report with any --modes, so each mode is compared with full attention")
     _add_common(e, training=False)
     e.set_defaults(func=cmd_eval, modes=None)  # --modes default: all of the task's modes
 

@@ -224,6 +224,12 @@ def test_eval_task_passkey_writes_table_json_and_heatmaps(tmp_path, capsys):
     assert "The last 20 tokens of the prompt attend every token" in (again / P.PASSKEY_MD).read_text()
     assert FocusAdapter.from_pretrained(str(again)).config.dense_decode
     assert FocusAdapter.from_pretrained(str(again)).config.dense_tail == 20
+    # with --modes focus alone the reused rows still join the report: Focus is compared with full attention
+    focus_only = [*argv[:argv.index("--modes")], "--modes", "focus", *argv[argv.index("--phrasings"):]]
+    assert main([*focus_only, "--output-dir", str(tmp_path / "pk6")]) == 0
+    rows6 = json.loads((tmp_path / "pk6" / P.PASSKEY_JSON).read_text())["results"]
+    assert [r for r in rows6 if r["mode"] == "full"] == [r for r in full if r["phrasing"] == "ruler"]
+    assert "Against full attention on the same prompts" in (tmp_path / "pk6" / P.PASSKEY_MD).read_text()
     assert main([*argv, "--seed", "1", "--output-dir", str(tmp_path / "pk3")]) == 2
     err = capsys.readouterr().err
     assert "no full-attention result for 2 of the 2 prompts" in err and "(--phrasings passkey ruler)" in err
