@@ -27,7 +27,14 @@ pairs:
   as many pairs in every row as Focus, chosen by full attention;
 * ``summaries`` — every query also attends one summary per block of ``SUMMARY_BLOCK`` keys that lies wholly before
   its window (the block's mean key with a logit bias of log(block), its mean value): a cheap view of all the far
-  context besides the groups.
+  context besides the groups;
+* ``moments`` — every query also attends, per block of ``--moment-block`` keys, one summary of the block's keys its
+  pattern drops: their log-sum-exp estimated from the moments of its scores on them (``log n + mean`` with
+  ``--moment-order 1``; ``+ var / 2``, the Gaussian estimate, with 2, capped at ``log n + max``) and their
+  softmax-weighted value estimated likewise (their mean value; with order 2 tilted by the scores' covariance with
+  the values: exact when keys and values are jointly Gaussian). The moments are computed exactly from the dropped
+  pairs (an upper bound on what a block summary stored with the KV cache can give: a query's dropped set depends on
+  its groups); ``--oracle-layers`` restricts it to those layers.
 
 A variant that recovers the keys says which queries lose them. ``--layers`` keeps Focus in those layers only (the
 others attend fully): which layers' patterns lose them; ``--dense-heads L.H ...`` sets the adapter's
@@ -68,7 +75,7 @@ from focus_flex.cli import keep_freed_memory, layer_head
 from focus_flex.models import load_model
 from focus_flex.passkey import PrefillMeter, answer_key, load_passkey, score
 
-VARIANTS = ("none", "decode", "tail", "needle", "needle-rows", "denominator", "summaries", "best-pairs",
+VARIANTS = ("none", "decode", "tail", "needle", "needle-rows", "denominator", "summaries", "moments", "best-pairs",
             "best-error", "best-rows")
 BEST_VARIANTS = ("best-pairs", "best-error", "best-rows")  # far pairs chosen by full attention (:func:`best_pairs`)
 BEST_PAIRS_SAMPLE = 1 << 21
@@ -147,6 +154,61 @@ def block_summaries(block: int = SUMMARY_BLOCK):
 
 
 @contextlib.contextmanager
+def moment_summaries(block: int, order: int, layers: list[int] | None = None):
+    """The reference path with, for every query and block of ``block`` keys, one summary of the keys the Focus
+    pattern drops there: logit ``log n + mean(s) [+ var(s) / 2, at most max(s)]`` and value ``mean(v) [+ cov(s, v)]``
+    (``order`` 1 [2]) over the dropped scores ``s``; rows the pattern makes dense get none; in ``layers`` only (model
+    layers; default every Focus layer). One head at a time; one prompt without padding."""
+    current = []  # the model layer whose attention runs, set by the adapter's forward
+
+    def attention(q, k, v, centroids, config, *, attention_mask=None, scale=None, centering=None):
+        if q.shape[0] != 1 or attention_mask is not None and not attention_mask.all():
+            raise ValueError("the moments variant takes one prompt without padding")
+        lq, lk, group = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
+        if dense_decode(config.dense_decode, lq) or layers is not None and current[-1] not in layers:
+            return reference_attention(q, k, v, centroids, config, scale=scale, centering=centering)
+        mask = focus_pattern(q, k, centroids, config, centering=centering)
+        real = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
+        out = torch.empty_like(q)
+        for h in range(q.shape[1]):
+            vh = v[0, h // group]
+            scores = (q[0, h] @ k[0, h // group].T) * (scale or q.shape[-1] ** -0.5)
+            keep = mask[0, h]
+            dropped = real & ~keep & (keep.sum(-1, keepdim=True) < real.sum(-1, keepdim=True))
+            logits, values = [scores.masked_fill(~keep, float("-inf"))], []
+            for b in range(0, lk, block):
+                d = dropped[:, b:b + block].float()
+                s = scores[:, b:b + block]
+                n = d.sum(-1)
+                mean = (s * d).sum(-1) / n.clamp(min=1)
+                dev = (s - mean[:, None]) * d
+                logit = n.log() + mean
+                value = d @ vh[b:b + block]
+                if order == 2:
+                    top = s.masked_fill(d == 0, float("-inf")).amax(-1)
+                    logit = torch.minimum(logit + (dev * dev).sum(-1) / n.clamp(min=1) / 2, n.log() + top)
+                    value = value + dev @ vh[b:b + block]
+                logits.append(logit[:, None])  # n = 0: -inf, no summary
+                values.append(value / n.clamp(min=1)[:, None])
+            p = torch.cat(logits, -1).softmax(-1)
+            out[0, h] = p[:, :lk] @ vh + torch.einsum("qb,bqd->qd", p[:, lk:], torch.stack(values))
+        return out
+
+    focus_forward = FocusAdapter.forward
+
+    def forward(self, module, slot, *args):
+        current.append(self.config.layers[slot])
+        try:
+            return focus_forward(self, module, slot, *args)
+        finally:
+            current.pop()
+
+    with mock.patch.object(focus_flex.adapter, "reference_attention", attention), \
+            mock.patch.object(FocusAdapter, "forward", forward):
+        yield
+
+
+@contextlib.contextmanager
 def best_pairs(stats: dict[str, list[float]] | None = None, density: float | None = None, per_row: bool = False,
                by_error: bool = False, layers: list[int] | None = None):
     """The reference path with each head's far pairs chosen by full attention's probabilities (``best-pairs``), or
@@ -220,10 +282,11 @@ def best_pairs(stats: dict[str, list[float]] | None = None, density: float | Non
 @contextlib.contextmanager
 def extra_pairs(variant: str, prompt_len: int, needle: tuple[int, int], tail: int,
                 stats: dict[str, list[float]] | None = None, density: float | None = None,
-                layers: list[int] | None = None):
+                layers: list[int] | None = None, moments: tuple[int, int] = (256, 2)):
     """The reference path with ``variant``'s pairs allowed on top of the Focus pattern (``tail``, ``needle``,
     ``needle-rows``), or instead of its far pairs (``best-pairs``, ``best-error``, ``best-rows``: :func:`best_pairs`
-    with ``stats``, ``density`` and ``layers``); the others run the library as it is."""
+    with ``stats``, ``density`` and ``layers``), or with summaries (``moments``: :func:`moment_summaries` with
+    ``moments`` = (block, order) and ``layers``); the others run the library as it is."""
 
     def widen(mask, q, k, centroids, config, *, attention_mask=None):
         lq, lk = q.shape[2], k.shape[2]
@@ -238,6 +301,10 @@ def extra_pairs(variant: str, prompt_len: int, needle: tuple[int, int], tail: in
     if variant in BEST_VARIANTS:
         with best_pairs(stats, density, per_row=variant == "best-rows", by_error=variant == "best-error",
                         layers=layers):
+            yield
+        return
+    if variant == "moments":
+        with moment_summaries(*moments, layers=layers):
             yield
         return
     if variant in ("denominator", "summaries"):
@@ -322,7 +389,13 @@ def main() -> None:
                         "pattern's)")
     parser.add_argument("--oracle-layers", type=int, nargs="+", default=None,
                         help="best-pairs, best-error, best-rows: choose the pairs in these layers only, Focus's "
-                             "pattern in the other Focus layers (default: every Focus layer)")
+                             "pattern in the other Focus layers (default: every Focus layer); moments: summarise in "
+                             "these layers only")
+    parser.add_argument("--moment-block", type=int, default=256, help="moments: keys per summarised block")
+    parser.add_argument("--moment-order", type=int, choices=(1, 2), default=2,
+                        help="moments: 1 (count and mean), 2 (and variance, covariance)")
+    parser.add_argument("--haystacks", nargs="+", default=None, help="only these haystacks (default: all)")
+    parser.add_argument("--phrasings", nargs="+", default=None, help="only these phrasings (default: all)")
     parser.add_argument("--key-numbers", type=int, nargs="+", default=None,
                         help="only the prompts of these key numbers in their cell (default: all)")
     parser.add_argument("--tail", type=int, default=24, help="prompt tokens the tail variant adds")
@@ -348,9 +421,9 @@ def main() -> None:
     if args.best_density is not None and not set(args.variants) <= {"best-pairs", "best-error"}:
         parser.error("--best-density sets the budget of the best-pairs and best-error variants: pass --variants "
                      "best-pairs or best-error")
-    if args.oracle_layers is not None and not set(args.variants) <= set(BEST_VARIANTS):
-        parser.error("--oracle-layers says where the best-pairs, best-error and best-rows variants choose their "
-                     "pairs: pass --variants best-pairs, best-error or best-rows")
+    if args.oracle_layers is not None and not set(args.variants) <= {*BEST_VARIANTS, "moments"}:
+        parser.error("--oracle-layers says where the best-pairs, best-error, best-rows and moments variants change "
+                     "the pattern: pass --variants best-pairs, best-error, best-rows or moments")
     if bool(args.wide_layers) != (args.wide_top_k is not None):
         parser.error("--wide-layers and --wide-top-k go together")
     keep_freed_memory()  # the focus-flex command's allocator setting: the dense [L, L] temporaries stay in the heap
@@ -369,7 +442,9 @@ def main() -> None:
         adapter.config.dense_heads = args.dense_heads
     solved = [r for r in load_passkey(args.full_results) if r.mode == "full" and r.correct and r.length in args.lengths
               and (args.depths is None or r.depth in args.depths)
-              and (args.key_numbers is None or r.key_number in args.key_numbers)]
+              and (args.key_numbers is None or r.key_number in args.key_numbers)
+              and (args.haystacks is None or r.haystack in args.haystacks)
+              and (args.phrasings is None or r.phrasing in args.phrasings)]
     if not solved:
         raise SystemExit(f"full attention retrieves no key at lengths {args.lengths} (depths {args.depths or 'all'}, "
                          f"key numbers {args.key_numbers or 'all'}) in {args.full_results}")
@@ -387,7 +462,7 @@ def main() -> None:
             meter = PrefillMeter(adapter)
             try:
                 with extra_pairs(variant, len(prompt.input_ids), prompt.needle, args.tail, stats,
-                                 args.best_density, args.oracle_layers), \
+                                 args.best_density, args.oracle_layers, (args.moment_block, args.moment_order)), \
                         dense_rows(*(args.dense_rows or (0, 0))), \
                         wide_layers(args.wide_layers, *(args.wide_top_k or (0, 0))):
                     answer, logprobs = answer_key(model, tokenizer, prompt.input_ids, r.key)
