@@ -34,7 +34,8 @@ pairs:
   softmax-weighted value estimated likewise (their mean value; with order 2 tilted by the scores' covariance with
   the values: exact when keys and values are jointly Gaussian). The moments are computed exactly from the dropped
   pairs (an upper bound on what a block summary stored with the KV cache can give: a query's dropped set depends on
-  its groups); ``--oracle-layers`` restricts it to those layers.
+  its groups; ``--moment-order 0``: their exact log-sum-exp, their mean value, an oracle); ``--oracle-layers``
+  restricts it to those layers.
 
 A variant that recovers the keys says which queries lose them. ``--layers`` keeps Focus in those layers only (the
 others attend fully): which layers' patterns lose them; ``--dense-heads L.H ...`` sets the adapter's
@@ -157,8 +158,9 @@ def block_summaries(block: int = SUMMARY_BLOCK):
 def moment_summaries(block: int, order: int, layers: list[int] | None = None):
     """The reference path with, for every query and block of ``block`` keys, one summary of the keys the Focus
     pattern drops there: logit ``log n + mean(s) [+ var(s) / 2, at most max(s)]`` and value ``mean(v) [+ cov(s, v)]``
-    (``order`` 1 [2]) over the dropped scores ``s``; rows the pattern makes dense get none; in ``layers`` only (model
-    layers; default every Focus layer). One head at a time; one prompt without padding."""
+    (``order`` 1 [2]) over the dropped scores ``s`` (``order`` 0: their exact ``logsumexp(s)``, value ``mean(v)``);
+    rows the pattern makes dense get none; in ``layers`` only (model layers; default every Focus layer). One head at a
+    time; one prompt without padding."""
     current = []  # the model layer whose attention runs, set by the adapter's forward
 
     def attention(q, k, v, centroids, config, *, attention_mask=None, scale=None, centering=None):
@@ -184,6 +186,8 @@ def moment_summaries(block: int, order: int, layers: list[int] | None = None):
                 dev = (s - mean[:, None]) * d
                 logit = n.log() + mean
                 value = d @ vh[b:b + block]
+                if order == 0:  # an oracle: the dropped keys' exact log-sum-exp
+                    logit = s.masked_fill(d == 0, float("-inf")).logsumexp(-1)
                 if order == 2:
                     top = s.masked_fill(d == 0, float("-inf")).amax(-1)
                     logit = torch.minimum(logit + (dev * dev).sum(-1) / n.clamp(min=1) / 2, n.log() + top)
@@ -392,8 +396,8 @@ def main() -> None:
                              "pattern in the other Focus layers (default: every Focus layer); moments: summarise in "
                              "these layers only")
     parser.add_argument("--moment-block", type=int, default=256, help="moments: keys per summarised block")
-    parser.add_argument("--moment-order", type=int, choices=(1, 2), default=2,
-                        help="moments: 1 (count and mean), 2 (and variance, covariance)")
+    parser.add_argument("--moment-order", type=int, choices=(0, 1, 2), default=2,
+                        help="moments: 1 (count and mean), 2 (and variance, covariance), 0 (exact log-sum-exp)")
     parser.add_argument("--haystacks", nargs="+", default=None, help="only these haystacks (default: all)")
     parser.add_argument("--phrasings", nargs="+", default=None, help="only these phrasings (default: all)")
     parser.add_argument("--key-numbers", type=int, nargs="+", default=None,

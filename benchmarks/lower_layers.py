@@ -1,0 +1,97 @@
+"""``python -m benchmarks.lower_layers``: what the lower layers' far context needs (docs/passkey.md, point 48).
+
+``errors``: one passkey prompt (``--haystack``, ``--length``, ``--depth``, ``--key-number``) runs once with the
+model's own attention; for each of ``--layers`` the relative error of the attention output (all heads; the rows past
+the window and before the dense tail) against full attention, of the adapter's hard pattern alone, with the far
+summaries of :func:`benchmarks.passkey_oracle.moment_summaries` (``--summaries BLOCK:ORDER ...``), and of sliding
+windows (``--windows``).
+
+``perplexity``: perplexity of ``--eval-windows`` windows of ``--context`` tokens of the shipped held-out books with
+the queries of ``--wide-layers`` routed into ``--wide-top-k`` groups (:func:`benchmarks.passkey_oracle.wide_layers`),
+side by side with the adapter as it is; each with window-only at its density.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+import focus_flex.adapter
+from benchmarks.bench import machine_info
+from benchmarks.passkey_oracle import moment_summaries, wide_layers
+from focus_flex import FocusAdapter
+from focus_flex.cli import _documents, _windows
+from focus_flex.evaluate import evaluate, window_mask
+from focus_flex.models import load_model
+from focus_flex.passkey import Prompt
+from focus_flex.train import teacher_qkv
+
+
+def summary(text: str) -> tuple[int, int]:
+    block, order = text.split(":")
+    return int(block), int(order)
+
+
+def errors(model: torch.nn.Module, tokenizer, adapter: FocusAdapter, args: argparse.Namespace) -> None:
+    cell = Prompt(args.haystack, args.length, args.depth, args.key_number, args.phrasing)
+    ids = cell.build(tokenizer, cell.key(args.seed)).input_ids
+    qkv = teacher_qkv(model, ids[None])
+    cfg, n = adapter.config, len(ids)
+    rows = slice(cfg.window + cfg.sink_tokens, n - cfg.tail(n))
+    names = ["focus", *(f"summaries {b}:{o}" for b, o in args.summaries), *(f"window {w}" for w in args.windows)]
+    print("layer | " + " | ".join(names))
+    for layer in args.layers:
+        q, k, v, scale = qkv[layer]
+        full = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        centroids = adapter.centroids.detach()[adapter.slot[layer]]
+        outs = [focus_flex.adapter.reference_attention(q, k, v, centroids, cfg, scale=scale)]
+        for block, order in args.summaries:
+            with moment_summaries(block, order):  # it patches focus_flex.adapter's reference_attention
+                outs.append(focus_flex.adapter.reference_attention(q, k, v, centroids, cfg, scale=scale))
+        for w in args.windows:
+            mask = window_mask(n, n, w, cfg.sink_tokens)
+            outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True))
+        err = [float((o - full)[:, :, rows].norm() / full[:, :, rows].norm()) for o in outs]
+        print(f"{layer} | " + " | ".join(f"{e:.3f}" for e in err), flush=True)
+
+
+def perplexity(model: torch.nn.Module, tokenizer, adapter: FocusAdapter, args: argparse.Namespace) -> None:
+    windows = _windows(_documents(None, "eval", "evaluation"), tokenizer, args.context, args.eval_windows, "evaluation")
+    cfg = adapter.config
+    for q, k in ((cfg.query_top_k, cfg.key_top_k), args.wide_top_k):
+        with wide_layers(args.wide_layers, q, k):
+            for r in evaluate(model, adapter, windows, modes=("focus", "window"), progress=False):
+                print(f"layers {args.wide_layers} with groups per query and key {q}, {k}: {r.mode} perplexity "
+                      f"{r.perplexity:.3f}, density {100 * r.density:.1f}%", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("task", choices=["errors", "perplexity"])
+    parser.add_argument("--adapter", default="hub/smollm2-135m-instruct-focus")
+    parser.add_argument("--haystack", choices=["filler", "prose"], default="filler")
+    parser.add_argument("--phrasing", choices=["passkey", "ruler"], default="passkey")
+    parser.add_argument("--length", type=int, default=8192)
+    parser.add_argument("--depth", type=int, default=50)
+    parser.add_argument("--key-number", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0, help="the evaluation's seed of the keys")
+    parser.add_argument("--layers", type=int, nargs="+", default=[0, 1, 2, 5, 8, 10])
+    parser.add_argument("--summaries", type=summary, nargs="*", default=[(256, 1), (256, 2), (1024, 2), (256, 0)],
+                        metavar="BLOCK:ORDER", help="moment summaries (orders: passkey_oracle --moment-order)")
+    parser.add_argument("--windows", type=int, nargs="*", default=[2048, 4096])
+    parser.add_argument("--wide-layers", type=int, nargs="+", default=list(range(11)))
+    parser.add_argument("--wide-top-k", type=int, nargs=2, default=[6, 4], metavar=("Q", "K"))
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--eval-windows", type=int, default=4)
+    args = parser.parse_args()
+    print(" | ".join(f"{k}: {v}" for k, v in machine_info().items()))
+    model, tokenizer = load_model()
+    model.eval()
+    adapter = FocusAdapter.from_pretrained(args.adapter)
+    (errors if args.task == "errors" else perplexity)(model, tokenizer, adapter, args)
+
+
+if __name__ == "__main__":
+    main()
