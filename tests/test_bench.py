@@ -254,7 +254,7 @@ def test_passkey_oracle_needle_rows_attend_everything_and_the_rest_keep_the_patt
     torch.manual_seed(0)
     config = FocusConfig(num_groups=4, window=8, sink_tokens=2)
     q, k, v = torch.randn(1, 4, 96, 16), torch.randn(1, 2, 96, 16), torch.randn(1, 2, 96, 16)
-    centroids = F.normalize(torch.randn(2, 4, 16), dim=-1)
+    centroids = torch.nn.functional.normalize(torch.randn(2, 4, 16), dim=-1)
     needle = (40, 52)
     with extra_pairs("needle-rows", 96, needle, tail=0):
         out = focus_flex.adapter.reference_attention(q, k, v, centroids, config)
@@ -510,7 +510,7 @@ def test_passkey_oracle_best_error_keeps_the_far_pairs_whose_loss_moves_the_outp
     config = FocusConfig(num_groups=4, window=8, sink_tokens=2)
     q, k = torch.randn(1, 4, 64, 16), torch.randn(1, 2, 64, 16)
     v = torch.randn(1, 2, 64, 16) * torch.rand(1, 2, 64, 1) * 4  # values of unequal norms: error and probability differ
-    centroids = torch.nn.functional.normalize(torch.randn(2, 4, 16), dim=-1)
+    centroids = F.normalize(torch.randn(2, 4, 16), dim=-1)
     kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
     i, j = torch.arange(64)[:, None], torch.arange(64)[None, :]
     causal = j <= i
@@ -558,3 +558,32 @@ def test_passkey_oracle_best_pairs_in_some_layers_keep_focus_in_the_others():
     assert not torch.allclose(oracle[0], focus[0], atol=1e-3) and not torch.allclose(oracle[1], focus[1], atol=1e-3)
     assert torch.equal(mixed[0], focus[0]) and torch.equal(mixed[1], oracle[1])
     assert len(stats["best mass"]) == 4  # layer 1's heads only
+
+
+def test_passkey_oracle_moment_summaries_of_single_keys_are_full_attention():
+    """``passkey_oracle --variants moments``: with blocks of one key every dropped key is its own summary (count 1,
+    variance 0), so each order gives full causal attention (dense SDPA as reference); wider blocks change the Focus
+    output but not the rows the dense tail already attends fully."""
+    import torch
+    import torch.nn.functional as F
+
+    import focus_flex.adapter
+    from benchmarks.passkey_oracle import moment_summaries
+    from focus_flex import FocusConfig
+    from focus_flex.attention import reference_attention
+
+    config = FocusConfig(num_groups=4, window=8, sink_tokens=2, dense_tail=6)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 96, 16), torch.randn(1, 2, 96, 16), torch.randn(1, 2, 96, 16)
+    centroids = F.normalize(torch.randn(2, 4, 16), dim=-1)
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    focus = reference_attention(q, k, v, centroids, config)
+    assert not torch.allclose(focus, full, atol=1e-3)
+    for order in (0, 1, 2):
+        with moment_summaries(1, order):
+            out = focus_flex.adapter.reference_attention(q, k, v, centroids, config)
+        assert torch.allclose(out, full, atol=1e-5), order
+    with moment_summaries(16, 1):
+        out = focus_flex.adapter.reference_attention(q, k, v, centroids, config)
+    assert not torch.allclose(out[:, :, :90], focus[:, :, :90], atol=1e-3)
+    assert torch.allclose(out[:, :, 90:], full[:, :, 90:], atol=1e-5)  # the dense tail: no summaries
