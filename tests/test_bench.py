@@ -254,7 +254,7 @@ def test_passkey_oracle_needle_rows_attend_everything_and_the_rest_keep_the_patt
     torch.manual_seed(0)
     config = FocusConfig(num_groups=4, window=8, sink_tokens=2)
     q, k, v = torch.randn(1, 4, 96, 16), torch.randn(1, 2, 96, 16), torch.randn(1, 2, 96, 16)
-    centroids = torch.nn.functional.normalize(torch.randn(2, 4, 16), dim=-1)
+    centroids = F.normalize(torch.randn(2, 4, 16), dim=-1)
     needle = (40, 52)
     with extra_pairs("needle-rows", 96, needle, tail=0):
         out = focus_flex.adapter.reference_attention(q, k, v, centroids, config)
@@ -510,7 +510,7 @@ def test_passkey_oracle_best_error_keeps_the_far_pairs_whose_loss_moves_the_outp
     config = FocusConfig(num_groups=4, window=8, sink_tokens=2)
     q, k = torch.randn(1, 4, 64, 16), torch.randn(1, 2, 64, 16)
     v = torch.randn(1, 2, 64, 16) * torch.rand(1, 2, 64, 1) * 4  # values of unequal norms: error and probability differ
-    centroids = F.normalize(torch.randn(2, 4, 16), dim=-1)
+    centroids = torch.nn.functional.normalize(torch.randn(2, 4, 16), dim=-1)
     kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
     i, j = torch.arange(64)[:, None], torch.arange(64)[None, :]
     causal = j <= i
