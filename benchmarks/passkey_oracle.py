@@ -155,6 +155,24 @@ def block_summaries(block: int = SUMMARY_BLOCK):
 
 
 @contextlib.contextmanager
+def layer_aware_reference(attention: Callable[..., torch.Tensor], current: list[int]):
+    """The reference path replaced by ``attention``, which finds the model layer it runs in at ``current[-1]`` (set by
+    the adapter's forward for its duration)."""
+    focus_forward = FocusAdapter.forward
+
+    def forward(self, module, slot, *args):
+        current.append(self.config.layers[slot])
+        try:
+            return focus_forward(self, module, slot, *args)
+        finally:
+            current.pop()
+
+    with mock.patch.object(focus_flex.adapter, "reference_attention", attention), \
+            mock.patch.object(FocusAdapter, "forward", forward):
+        yield
+
+
+@contextlib.contextmanager
 def moment_summaries(block: int, order: int, layers: list[int] | None = None):
     """The reference path with, for every query and block of ``block`` keys, one summary of the keys the Focus
     pattern drops there: logit ``log n + mean(s) [+ var(s) / 2, at most max(s)]`` and value ``mean(v) [+ cov(s, v)]``
@@ -198,17 +216,7 @@ def moment_summaries(block: int, order: int, layers: list[int] | None = None):
             out[0, h] = p[:, :lk] @ vh + torch.einsum("qb,bqd->qd", p[:, lk:], torch.stack(values))
         return out
 
-    focus_forward = FocusAdapter.forward
-
-    def forward(self, module, slot, *args):
-        current.append(self.config.layers[slot])
-        try:
-            return focus_forward(self, module, slot, *args)
-        finally:
-            current.pop()
-
-    with mock.patch.object(focus_flex.adapter, "reference_attention", attention), \
-            mock.patch.object(FocusAdapter, "forward", forward):
+    with layer_aware_reference(attention, current):
         yield
 
 
@@ -269,17 +277,7 @@ def best_pairs(stats: dict[str, list[float]] | None = None, density: float | Non
             out[0, h] = logp.masked_fill(~chosen, float("-inf")).softmax(-1) @ v[0, h // group]
         return out
 
-    focus_forward = FocusAdapter.forward
-
-    def forward(self, module, slot, *args):
-        current.append(self.config.layers[slot])
-        try:
-            return focus_forward(self, module, slot, *args)
-        finally:
-            current.pop()
-
-    with mock.patch.object(focus_flex.adapter, "reference_attention", attention), \
-            mock.patch.object(FocusAdapter, "forward", forward):
+    with layer_aware_reference(attention, current):
         yield
 
 
