@@ -155,9 +155,21 @@ def block_summaries(block: int = SUMMARY_BLOCK):
 
 
 @contextlib.contextmanager
-def layer_aware_reference(attention: Callable[..., torch.Tensor], current: list[int]):
-    """The reference path replaced by ``attention``, which finds the model layer it runs in at ``current[-1]`` (set by
-    the adapter's forward for its duration)."""
+def prefill_reference(prefill: Callable[..., torch.Tensor], layers: list[int] | None, name: str):
+    """The reference path with each prefill of ``layers`` (model layers; None: every Focus layer) computed by
+    ``prefill(q, k, v, mask, config, scale)`` (``mask`` the Focus pattern ``[1, Hq, Lq, Lk]``, ``scale`` resolved);
+    decode steps that attend densely and the other layers keep the reference path. One prompt without padding
+    (``name`` says which variants refuse others)."""
+    current = []  # the model layer whose attention runs, set by the adapter's forward
+
+    def attention(q, k, v, centroids, config, *, attention_mask=None, scale=None, centering=None):
+        if q.shape[0] != 1 or attention_mask is not None and not attention_mask.all():
+            raise ValueError(f"{name} take one prompt without padding")
+        if dense_decode(config.dense_decode, q.shape[2]) or layers is not None and current[-1] not in layers:
+            return reference_attention(q, k, v, centroids, config, scale=scale, centering=centering)
+        mask = focus_pattern(q, k, centroids, config, centering=centering)
+        return prefill(q, k, v, mask, config, scale or q.shape[-1] ** -0.5)
+
     focus_forward = FocusAdapter.forward
 
     def forward(self, module, slot, *args):
@@ -179,20 +191,14 @@ def moment_summaries(block: int, order: int, layers: list[int] | None = None):
     (``order`` 1 [2]) over the dropped scores ``s`` (``order`` 0: their exact ``logsumexp(s)``, value ``mean(v)``);
     rows the pattern makes dense get none; in ``layers`` only (model layers; default every Focus layer). One head at a
     time; one prompt without padding."""
-    current = []  # the model layer whose attention runs, set by the adapter's forward
 
-    def attention(q, k, v, centroids, config, *, attention_mask=None, scale=None, centering=None):
-        if q.shape[0] != 1 or attention_mask is not None and not attention_mask.all():
-            raise ValueError("the moments variant takes one prompt without padding")
+    def prefill(q, k, v, mask, config, scale):
         lq, lk, group = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
-        if dense_decode(config.dense_decode, lq) or layers is not None and current[-1] not in layers:
-            return reference_attention(q, k, v, centroids, config, scale=scale, centering=centering)
-        mask = focus_pattern(q, k, centroids, config, centering=centering)
         real = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
         out = torch.empty_like(q)
         for h in range(q.shape[1]):
             vh = v[0, h // group]
-            scores = (q[0, h] @ k[0, h // group].T) * (scale or q.shape[-1] ** -0.5)
+            scores = (q[0, h] @ k[0, h // group].T) * scale
             keep = mask[0, h]
             dropped = real & ~keep & (keep.sum(-1, keepdim=True) < real.sum(-1, keepdim=True))
             logits, values = [scores.masked_fill(~keep, float("-inf"))], []
@@ -216,7 +222,7 @@ def moment_summaries(block: int, order: int, layers: list[int] | None = None):
             out[0, h] = p[:, :lk] @ vh + torch.einsum("qb,bqd->qd", p[:, lk:], torch.stack(values))
         return out
 
-    with layer_aware_reference(attention, current):
+    with prefill_reference(prefill, layers, "the moments variant"):
         yield
 
 
@@ -234,15 +240,9 @@ def best_pairs(stats: dict[str, list[float]] | None = None, density: float | Non
     if per_row and density is not None:
         raise ValueError("best-rows keeps the Focus pattern's count in each row: it takes no density")
     stats = collections.defaultdict(list) if stats is None else stats
-    current = []  # the model layer whose attention runs, set by the adapter's forward
 
-    def attention(q, k, v, centroids, config, *, attention_mask=None, scale=None, centering=None):
-        if q.shape[0] != 1 or attention_mask is not None and not attention_mask.all():
-            raise ValueError("best-pairs, best-error and best-rows take one prompt without padding")
+    def prefill(q, k, v, mask, config, scale):
         lq, lk, group = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
-        if dense_decode(config.dense_decode, lq) or layers is not None and current[-1] not in layers:
-            return reference_attention(q, k, v, centroids, config, scale=scale, centering=centering)
-        mask = focus_pattern(q, k, centroids, config, centering=centering)
         pos = torch.arange(lk)
         real = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
         local = real & (near_pairs(pos[lk - lq:], pos, config) | tail_rows(lq, config, q.device))
@@ -252,7 +252,7 @@ def best_pairs(stats: dict[str, list[float]] | None = None, density: float | Non
             sample = torch.randint(lq * lk, (BEST_PAIRS_SAMPLE,), generator=torch.Generator().manual_seed(0))
         out = torch.empty_like(q)
         for h in range(q.shape[1]):
-            scores = (q[0, h] @ k[0, h // group].T) * (scale or q.shape[-1] ** -0.5)
+            scores = (q[0, h] @ k[0, h // group].T) * scale
             logp = scores.masked_fill(~real, float("-inf")).log_softmax(-1)
             p = logp.exp()
             score = logp
@@ -277,7 +277,7 @@ def best_pairs(stats: dict[str, list[float]] | None = None, density: float | Non
             out[0, h] = logp.masked_fill(~chosen, float("-inf")).softmax(-1) @ v[0, h // group]
         return out
 
-    with layer_aware_reference(attention, current):
+    with prefill_reference(prefill, layers, "best-pairs, best-error and best-rows"):
         yield
 
 
