@@ -22,7 +22,7 @@ import focus_flex.adapter
 from benchmarks.bench import machine_info
 from benchmarks.passkey_oracle import moment_summaries, wide_layers
 from focus_flex import FocusAdapter
-from focus_flex.cli import _documents, _windows
+from focus_flex.data import load_documents, token_windows
 from focus_flex.evaluate import evaluate, window_mask
 from focus_flex.models import load_model
 from focus_flex.passkey import Prompt
@@ -58,7 +58,7 @@ def errors(model: torch.nn.Module, tokenizer, adapter: FocusAdapter, args: argpa
 
 
 def perplexity(model: torch.nn.Module, tokenizer, adapter: FocusAdapter, args: argparse.Namespace) -> None:
-    windows = _windows(_documents(None, "eval", "evaluation"), tokenizer, args.context, args.eval_windows, "evaluation")
+    windows = token_windows(load_documents(None, "eval"), tokenizer, args.context, max_windows=args.eval_windows)
     cfg = adapter.config
     for q, k in ((cfg.query_top_k, cfg.key_top_k), args.wide_top_k):
         with wide_layers(args.wide_layers, q, k):

@@ -32,10 +32,10 @@ pairs:
   pattern drops: their log-sum-exp estimated from the moments of its scores on them (``log n + mean`` with
   ``--moment-order 1``; ``+ var / 2``, the Gaussian estimate, with 2, capped at ``log n + max``) and their
   softmax-weighted value estimated likewise (their mean value; with order 2 tilted by the scores' covariance with
-  the values: exact when keys and values are jointly Gaussian). The moments are computed exactly from the dropped
-  pairs (an upper bound on what a block summary stored with the KV cache can give: a query's dropped set depends on
-  its groups; ``--moment-order 0``: their exact log-sum-exp, their mean value, an oracle); ``--oracle-layers``
-  restricts it to those layers.
+  the values: exact when keys and values are jointly Gaussian). A block store of ``n``, ``sum k``, ``sum v`` (and for
+  order 2 ``sum k k^T``, ``sum k v^T``) gives these numbers, a query subtracting its own kept pairs, all but order 2's
+  cap; ``--moment-order 0`` is an oracle: the dropped keys' exact log-sum-exp with their mean value.
+  ``--oracle-layers`` restricts it to those layers.
 
 A variant that recovers the keys says which queries lose them. ``--layers`` keeps Focus in those layers only (the
 others attend fully): which layers' patterns lose them; ``--dense-heads L.H ...`` sets the adapter's
@@ -191,6 +191,8 @@ def moment_summaries(block: int, order: int, layers: list[int] | None = None):
     (``order`` 1 [2]) over the dropped scores ``s`` (``order`` 0: their exact ``logsumexp(s)``, value ``mean(v)``);
     rows the pattern makes dense get none; in ``layers`` only (model layers; default every Focus layer). One head at a
     time; one prompt without padding."""
+    if order not in (0, 1, 2):
+        raise ValueError(f"moment summaries have order 0, 1 or 2; got {order}")
 
     def prefill(q, k, v, mask, config, scale):
         lq, lk, group = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
@@ -206,13 +208,14 @@ def moment_summaries(block: int, order: int, layers: list[int] | None = None):
                 d = dropped[:, b:b + block].float()
                 s = scores[:, b:b + block]
                 n = d.sum(-1)
-                mean = (s * d).sum(-1) / n.clamp(min=1)
-                dev = (s - mean[:, None]) * d
-                logit = n.log() + mean
                 value = d @ vh[b:b + block]
                 if order == 0:  # an oracle: the dropped keys' exact log-sum-exp
                     logit = s.masked_fill(d == 0, float("-inf")).logsumexp(-1)
+                else:
+                    mean = (s * d).sum(-1) / n.clamp(min=1)
+                    logit = n.log() + mean
                 if order == 2:
+                    dev = (s - mean[:, None]) * d
                     top = s.masked_fill(d == 0, float("-inf")).amax(-1)
                     logit = torch.minimum(logit + (dev * dev).sum(-1) / n.clamp(min=1) / 2, n.log() + top)
                     value = value + dev @ vh[b:b + block]
@@ -449,7 +452,8 @@ def main() -> None:
               and (args.phrasings is None or r.phrasing in args.phrasings)]
     if not solved:
         raise SystemExit(f"full attention retrieves no key at lengths {args.lengths} (depths {args.depths or 'all'}, "
-                         f"key numbers {args.key_numbers or 'all'}) in {args.full_results}")
+                         f"key numbers {args.key_numbers or 'all'}, haystacks {args.haystacks or 'all'}, phrasings "
+                         f"{args.phrasings or 'all'}) in {args.full_results}")
     own_dense_decode = adapter.config.dense_decode if args.dense_decode is None else args.dense_decode
     adapter.attach(model)
     totals = {}

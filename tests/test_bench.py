@@ -587,3 +587,5 @@ def test_passkey_oracle_moment_summaries_of_single_keys_are_full_attention():
         out = focus_flex.adapter.reference_attention(q, k, v, centroids, config)
     assert not torch.allclose(out[:, :, :90], focus[:, :, :90], atol=1e-3)
     assert torch.allclose(out[:, :, 90:], full[:, :, 90:], atol=1e-5)  # the dense tail: no summaries
+    with pytest.raises(ValueError, match="order 0, 1 or 2; got 3"), moment_summaries(16, 3):
+        pass
