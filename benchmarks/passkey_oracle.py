@@ -70,8 +70,8 @@ from torch import nn
 
 import focus_flex.adapter
 from benchmarks.bench import machine_info
-from focus_flex import FocusAdapter, FocusConfig
-from focus_flex.attention import dense_decode, focus_pattern, near_pairs, reference_attention, tail_rows
+from focus_flex import FocusAdapter, FocusConfig, routing
+from focus_flex.attention import dense_decode, focus_pattern, near_pairs, reference_attention, routed, tail_rows
 from focus_flex.cli import keep_freed_memory, layer_head
 from focus_flex.models import load_model
 from focus_flex.passkey import PrefillMeter, answer_key, load_passkey, score
@@ -367,6 +367,56 @@ def wide_layers(layers: list[int], query_top_k: int, key_top_k: int):
         yield
 
 
+def mass_membership(x: torch.Tensor, centroids: torch.Tensor, tau: float, mass: float, most: int) -> torch.Tensor:
+    """Bitmask ``[B, H, L]`` of each vector's likeliest groups, taken in order of routing probability
+    (:func:`focus_flex.routing.scores`, softmax) until they hold ``mass`` of it, at most ``most`` of them."""
+    p = routing.scores(x, centroids, tau).softmax(-1)
+    top, groups = p.topk(most, dim=-1)
+    take = (top.cumsum(-1) - top) < mass  # the first group always; each next one while the mass is short
+    return ((torch.ones_like(groups) << groups) * take).sum(-1)
+
+
+@contextlib.contextmanager
+def adaptive_layers(layers: list[int], mass: float, most: int, stats: dict[str, list[float]]):
+    """The Focus layers ``layers`` route each query into its likeliest groups until they hold ``mass`` of its routing
+    probability (at most ``most``; keys keep the adapter's ``key_top_k``), on the reference path; the other layers
+    keep the adapter's own path and routing. ``stats`` gets, per layer run, the mean number of groups per query
+    (``groups``) and the pairs the wider pattern adds, as a share of the layer's causal pairs (``added``)."""
+
+    def call(self, module, slot, *args):
+        if self.config.layers[slot] not in layers:
+            return nn.Module.__call__(self, module, slot, *args)
+        own = self.mode
+        self.mode = "reference"
+        try:
+            return nn.Module.__call__(self, module, slot, *args)
+        finally:
+            self.mode = own
+
+    def attention(q, k, v, centroids, config, *, attention_mask=None, scale=None, centering=None):
+        if dense_decode(config.dense_decode, q.shape[2]):
+            return reference_attention(q, k, v, centroids, config, attention_mask=attention_mask, scale=scale,
+                                       centering=centering)
+        valid = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool)
+        valid = valid if attention_mask is None else attention_mask.bool()
+        q_route, _ = routed(q, k, valid, centering)
+        q_member = mass_membership(q_route, centroids, config.tau, mass, most)
+        base = focus_pattern(q, k, centroids, config, attention_mask=attention_mask, centering=centering)
+        base_pairs = base.sum().item()
+        del base
+        mask = focus_pattern(q, k, centroids, config, attention_mask=attention_mask, centering=centering,
+                             q_member=q_member)
+        causal = q.shape[1] * (valid.sum(-1).float() * (valid.sum(-1).float() + 1) / 2).sum().item()
+        stats["groups"].append(routing.member_bits(q_member, config.num_groups).sum(-1).float().mean().item())
+        stats["added"].append((mask.sum().item() - base_pairs) / causal)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+
+    with mock.patch.object(FocusAdapter, "__call__", call), \
+            mock.patch.object(focus_flex.adapter, "reference_attention", attention):
+        yield
+
+
 def layer_subset(adapter: FocusAdapter, layers: list[int]) -> FocusAdapter:
     """The same centroids (and means) on ``layers`` only, a subset of the adapter's Focus layers."""
     missing = sorted(set(layers) - set(adapter.slot))
@@ -418,6 +468,12 @@ def main() -> None:
                         help="Focus layers whose queries and keys go into --wide-top-k groups")
     parser.add_argument("--wide-top-k", type=int, nargs=2, default=None, metavar=("Q", "K"),
                         help="groups per query and per key in --wide-layers")
+    parser.add_argument("--adaptive-layers", type=int, nargs="+", default=[],
+                        help="Focus layers whose queries take groups until they hold --adaptive-mass of their routing "
+                             "probability")
+    parser.add_argument("--adaptive-mass", type=float, default=0.5,
+                        help="adaptive layers: the routing probability a query's groups hold")
+    parser.add_argument("--adaptive-most", type=int, default=10, help="adaptive layers: at most this many groups")
     parser.add_argument("--dense-rows", type=int, nargs=2, default=None, metavar=("A", "B"),
                         help="the prompt's queries at positions [A, B) attend fully in every layer")
     args = parser.parse_args()
@@ -431,6 +487,11 @@ def main() -> None:
                      "the pattern: pass --variants best-pairs, best-error, best-rows or moments")
     if bool(args.wide_layers) != (args.wide_top_k is not None):
         parser.error("--wide-layers and --wide-top-k go together")
+    if not 0 < args.adaptive_mass <= 1 or args.adaptive_most < 1:
+        parser.error(f"--adaptive-mass is a probability in (0, 1] and --adaptive-most at least 1; got "
+                     f"{args.adaptive_mass} and {args.adaptive_most}")
+    if set(args.adaptive_layers) & set(args.wide_layers):
+        parser.error("a layer is either wide or adaptive: --wide-layers and --adaptive-layers overlap")
     keep_freed_memory()  # the focus-flex command's allocator setting: the dense [L, L] temporaries stay in the heap
     print(" | ".join(f"{k}: {v}" for k, v in machine_info().items()))
     model, tokenizer = load_model()
@@ -465,21 +526,27 @@ def main() -> None:
             prompt = r.prompt.build(tokenizer, r.key)
             t0 = time.perf_counter()
             stats = collections.defaultdict(list)
+            adaptive = collections.defaultdict(list)
             meter = PrefillMeter(adapter)
             try:
                 with extra_pairs(variant, len(prompt.input_ids), prompt.needle, args.tail, stats,
                                  args.best_density, args.oracle_layers, (args.moment_block, args.moment_order)), \
                         dense_rows(*(args.dense_rows or (0, 0))), \
-                        wide_layers(args.wide_layers, *(args.wide_top_k or (0, 0))):
+                        wide_layers(args.wide_layers, *(args.wide_top_k or (0, 0))), \
+                        adaptive_layers(args.adaptive_layers, args.adaptive_mass, args.adaptive_most, adaptive):
                     answer, logprobs = answer_key(model, tokenizer, prompt.input_ids, r.key)
             finally:
-                densities.append(meter.close()[0])
+                # the adaptive layers' added pairs, as a share of every Focus layer's causal pairs
+                densities.append(meter.close()[0] + sum(adaptive["added"]) / len(adapter.config.layers))
             correct = score(answer, r.key)
             hits += correct
             print(f"{variant:6s} {r.haystack:6s} {r.length:5d} {r.depth:3d}% key {r.key_number} {r.key}: {answer!r} "
                   f"{'correct' if correct else 'wrong'}, key log-prob {sum(logprobs):.2f} (its first token "
                   f"{logprobs[0]:.2f}), density {100 * densities[-1]:.1f}% ({time.perf_counter() - t0:.0f} s)",
                   flush=True)
+            if adaptive:
+                print("       adaptive layers: groups per query " + ", ".join(f"{g:.2f}" for g in adaptive["groups"]),
+                      flush=True)
             if stats:
                 print("       prefill heads, mean: " + ", ".join(
                     f"{name} {100 * sum(x) / len(x):.1f}%" for name, x in stats.items()), flush=True)
@@ -489,7 +556,8 @@ def main() -> None:
           f"{args.oracle_layers or 'all'}, dense tail "
           f"{c.dense_tail}, dense decode {own_dense_decode}, dense KV heads {c.dense_heads or 'none'}, dense rows "
           f"{args.dense_rows or 'none'}, layers {args.wide_layers or 'none'} with groups per query and key "
-          f"{args.wide_top_k}) plus:", totals)
+          f"{args.wide_top_k}, layers {args.adaptive_layers or 'none'} with groups holding {args.adaptive_mass} of a "
+          f"query's routing probability, at most {args.adaptive_most}) plus:", totals)
 
 
 if __name__ == "__main__":

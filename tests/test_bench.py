@@ -1,6 +1,7 @@
 """`python -m benchmarks.bench`: a tiny real run writes its report, a wrong kernel is refused before anything is
 timed, and the guard holds."""
 
+import collections
 import json
 import time
 
@@ -239,6 +240,52 @@ def test_passkey_oracle_wide_layers_route_those_layers_into_more_groups():
     assert meter.density[0] < 1 and meter.density[1] == pytest.approx(1.0) and meter.density[2:] == [1.0, 1.0]
     assert (adapter.config.query_top_k, adapter.config.key_top_k) == own != (4, 4)
 
+
+
+def test_passkey_oracle_adaptive_layers_take_groups_until_they_hold_the_mass():
+    """``passkey_oracle --adaptive-layers``: a query's groups are its likeliest until they hold the mass (checked
+    one vector at a time against the routing probabilities); with a vanishing mass the adapter is itself, with all
+    the mass in every group the adaptive layer attends fully (keys in one group each: Focus in the other layers
+    only), and the stats count the groups and the added pairs."""
+    import torch
+    import torch.nn.functional as F
+    from test_adapter import ids, tiny
+
+    from benchmarks.passkey_oracle import adaptive_layers, layer_subset, mass_membership
+    from focus_flex import FocusAdapter, FocusConfig, routing
+
+    torch.manual_seed(0)
+    x, c = torch.randn(1, 2, 40, 16), F.normalize(torch.randn(2, 5, 16), dim=-1)
+    member = mass_membership(x, c, 0.3, 0.6, 3)
+    p = routing.scores(x, c, 0.3).softmax(-1)
+    for h in range(2):
+        for i in range(40):
+            order, held, want = p[0, h, i].argsort(descending=True).tolist(), 0.0, 0
+            for g in order[:3]:
+                want |= 1 << g
+                held += p[0, h, i, g].item()
+                if held >= 0.6:
+                    break
+            assert member[0, h, i].item() == want, (h, i)
+    assert 1 < routing.member_bits(member, 5).sum(-1).float().mean() < 3
+
+    model, ids_ = tiny("llama"), ids(1, 60)
+    adapter = FocusAdapter.for_model(model, FocusConfig(num_groups=4, window=8, sink_tokens=2), seed=3)
+    with torch.no_grad():
+        full = model(ids_).logits
+        only_0 = logits_with(model, layer_subset(adapter, [0]), ids_)
+        adapter.attach(model)
+        focus = model(ids_).logits
+        narrow, wide = collections.defaultdict(list), collections.defaultdict(list)
+        with adaptive_layers([1], 1e-6, 4, narrow):
+            same = model(ids_).logits
+        with adaptive_layers([1], 1.0, 4, wide):
+            dense_1 = model(ids_).logits
+    assert (focus - full).abs().max() > 1e-3 and (focus - only_0).abs().max() > 1e-3
+    assert torch.allclose(same, focus, atol=1e-5) and torch.allclose(dense_1, only_0, atol=1e-5)
+    assert narrow == {"groups": [1.0], "added": [0.0]}
+    assert wide["groups"] == [4.0] and 0 < wide["added"][0] < 1
+    assert adapter.mode == "fast"
 
 def test_passkey_oracle_needle_rows_attend_everything_and_the_rest_keep_the_pattern():
     """``passkey_oracle --variants needle-rows``: the needle's queries get causal dense attention, every other query
