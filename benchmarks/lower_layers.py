@@ -8,22 +8,26 @@ windows (``--windows``).
 
 ``perplexity``: perplexity of ``--eval-windows`` windows of ``--context`` tokens of the shipped held-out books with
 the queries of ``--wide-layers`` routed into ``--wide-top-k`` groups (:func:`benchmarks.passkey_oracle.wide_layers`),
-side by side with the adapter as it is; each with window-only at its density.
+side by side with the adapter as it is; each with window-only at its density. With ``--adaptive-mass P`` their queries
+instead take groups until they hold P of their routing probability (:func:`benchmarks.passkey_oracle.adaptive_layers`,
+at most ``--adaptive-most``), beside window-only at the density with the pairs that adds.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import math
 
 import torch
 import torch.nn.functional as F
 
 import focus_flex.adapter
 from benchmarks.bench import machine_info
-from benchmarks.passkey_oracle import moment_summaries, wide_layers
+from benchmarks.passkey_oracle import adaptive_layers, moment_summaries, wide_layers
 from focus_flex import FocusAdapter
 from focus_flex.data import load_documents, token_windows
-from focus_flex.evaluate import evaluate, window_mask
+from focus_flex.evaluate import evaluate, matching_window, window_mask, window_nll, window_only
 from focus_flex.models import load_model
 from focus_flex.passkey import Prompt
 from focus_flex.train import teacher_qkv
@@ -60,11 +64,35 @@ def errors(model: torch.nn.Module, tokenizer, adapter: FocusAdapter, args: argpa
 def perplexity(model: torch.nn.Module, tokenizer, adapter: FocusAdapter, args: argparse.Namespace) -> None:
     windows = token_windows(load_documents(None, "eval"), tokenizer, args.context, max_windows=args.eval_windows)
     cfg = adapter.config
+    if args.adaptive_mass is not None:
+        adaptive_perplexity(model, adapter, windows, args)
+        return
     for q, k in ((cfg.query_top_k, cfg.key_top_k), args.wide_top_k):
         with wide_layers(args.wide_layers, q, k):
             for r in evaluate(model, adapter, windows, modes=("focus", "window"), progress=False):
                 print(f"layers {args.wide_layers} with groups per query and key {q}, {k}: {r.mode} perplexity "
                       f"{r.perplexity:.3f}, density {100 * r.density:.1f}%", flush=True)
+
+
+
+def adaptive_perplexity(model: torch.nn.Module, adapter: FocusAdapter, windows: torch.Tensor,
+                        args: argparse.Namespace) -> None:
+    """Perplexity of ``windows [N, L]`` with the queries of ``--wide-layers`` in groups holding ``--adaptive-mass`` of
+    their routing probability (:func:`benchmarks.passkey_oracle.adaptive_layers`), density with the added pairs, and
+    window-only at that density."""
+    cfg, n = adapter.config, windows.shape[1]
+    stats = collections.defaultdict(list)
+    with adaptive_layers(args.wide_layers, args.adaptive_mass, args.adaptive_most, stats):
+        focus = evaluate(model, adapter, windows, modes=("focus",), progress=False)[0]
+    density = focus.density + sum(stats["added"]) / (len(windows) * len(cfg.layers))
+    w = matching_window(n, cfg.sink_tokens, density, cfg.tail(n))
+    with window_only(model, w, cfg.sink_tokens, cfg.layers, dense_tail=cfg.dense_tail):
+        total, count = window_nll(model, windows)
+    groups = sum(stats["groups"]) / len(stats["groups"])
+    print(f"layers {args.wide_layers}, queries' groups holding {args.adaptive_mass} of their routing probability (at "
+          f"most {args.adaptive_most}; {groups:.2f} per query): focus perplexity {focus.perplexity:.3f}, density "
+          f"{100 * density:.1f}% (top-1 pattern {100 * focus.density:.1f}%); window {w} + {cfg.sink_tokens} sinks at "
+          f"that density: perplexity {math.exp(total / count):.3f}", flush=True)
 
 
 def main() -> None:
@@ -83,6 +111,10 @@ def main() -> None:
     parser.add_argument("--windows", type=int, nargs="*", default=[2048, 4096])
     parser.add_argument("--wide-layers", type=int, nargs="+", default=list(range(11)))
     parser.add_argument("--wide-top-k", type=int, nargs=2, default=[6, 4], metavar=("Q", "K"))
+    parser.add_argument("--adaptive-mass", type=float, default=None,
+                        help="perplexity: instead of --wide-top-k, each query of --wide-layers takes groups until they "
+                             "hold this much of its routing probability")
+    parser.add_argument("--adaptive-most", type=int, default=10, help="perplexity: at most this many groups then")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--eval-windows", type=int, default=4)
     args = parser.parse_args()

@@ -42,10 +42,12 @@ others attend fully): which layers' patterns lose them; ``--dense-heads L.H ...`
 ``FocusConfig.dense_heads`` (KV head H of layer L attends fully): which heads' patterns lose them; ``--dense-rows A B``
 makes the prompt's queries at positions ``[A, B)`` attend fully in every layer, on any path: whose rows lose them;
 ``--wide-layers L ... --wide-top-k Q K`` routes those layers' queries into Q groups and keys into K: whether more
-groups there are enough.
+groups there are enough; ``--adaptive-layers L ... --adaptive-mass P`` gives each of those layers' queries its
+likeliest groups until they hold P of its routing probability (at most ``--adaptive-most``; keys keep the adapter's
+``key_top_k``), on the reference path: whether the extra groups are needed only where routing is unsure.
 Each answer is printed with the key's log-probability (all its tokens; its first, the space before the digits) and
 the density of the adapter's hard pattern on its prefill (the Focus layers' causal pairs, dense heads and tail
-counted, a variant's extra pairs not). ``--dense-tail N`` sets the adapter's
+counted, the adaptive layers' added pairs too, a variant's extra pairs not). ``--dense-tail N`` sets the adapter's
 ``FocusConfig.dense_tail`` (the prompt's last N queries attend every token) and ``--dense-decode`` /
 ``--no-dense-decode`` its ``FocusConfig.dense_decode`` in every variant but ``decode`` (default: the adapter's own).
 Nothing here changes the library: the extra pairs are added by wrapping
