@@ -74,7 +74,6 @@ def perplexity(model: torch.nn.Module, tokenizer, adapter: FocusAdapter, args: a
                       f"{r.perplexity:.3f}, density {100 * r.density:.1f}%", flush=True)
 
 
-
 def adaptive_perplexity(model: torch.nn.Module, adapter: FocusAdapter, windows: torch.Tensor,
                         args: argparse.Namespace) -> None:
     """Perplexity of ``windows [N, L]`` with the queries of ``--wide-layers`` in groups holding ``--adaptive-mass`` of

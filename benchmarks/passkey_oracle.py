@@ -383,7 +383,11 @@ def adaptive_layers(layers: list[int], mass: float, most: int, stats: dict[str, 
     """The Focus layers ``layers`` route each query into its likeliest groups until they hold ``mass`` of its routing
     probability (at most ``most``; keys keep the adapter's ``key_top_k``), on the reference path; the other layers
     keep the adapter's own path and routing. ``stats`` gets, per layer run, the mean number of groups per query
-    (``groups``) and the pairs the wider pattern adds, as a share of the layer's causal pairs (``added``)."""
+    (``groups``) and the pairs the wider pattern adds, as a share of the layer's causal pairs (``added``). It replaces
+    the reference path everywhere, so the other layers must not run on it (no other variant); no layers: no change."""
+    if not layers:
+        yield
+        return
 
     def call(self, module, slot, *args):
         if self.config.layers[slot] not in layers:
@@ -492,6 +496,9 @@ def main() -> None:
     if not 0 < args.adaptive_mass <= 1 or args.adaptive_most < 1:
         parser.error(f"--adaptive-mass is a probability in (0, 1] and --adaptive-most at least 1; got "
                      f"{args.adaptive_mass} and {args.adaptive_most}")
+    if args.adaptive_layers and not set(args.variants) <= {"none", "decode"}:
+        parser.error("--adaptive-layers runs its layers on the reference path it replaces: pass --variants none or "
+                     "decode with it")
     if set(args.adaptive_layers) & set(args.wide_layers):
         parser.error("a layer is either wide or adaptive: --wide-layers and --adaptive-layers overlap")
     keep_freed_memory()  # the focus-flex command's allocator setting: the dense [L, L] temporaries stay in the heap

@@ -251,8 +251,10 @@ def test_passkey_oracle_adaptive_layers_take_groups_until_they_hold_the_mass():
     import torch.nn.functional as F
     from test_adapter import ids, tiny
 
+    import focus_flex.adapter
     from benchmarks.passkey_oracle import adaptive_layers, layer_subset, mass_membership
     from focus_flex import FocusAdapter, FocusConfig, routing
+    from focus_flex.attention import reference_attention
 
     torch.manual_seed(0)
     x, c = torch.randn(1, 2, 40, 16), F.normalize(torch.randn(2, 5, 16), dim=-1)
@@ -286,6 +288,8 @@ def test_passkey_oracle_adaptive_layers_take_groups_until_they_hold_the_mass():
     assert narrow == {"groups": [1.0], "added": [0.0]}
     assert wide["groups"] == [4.0] and 0 < wide["added"][0] < 1
     assert adapter.mode == "fast"
+    with adaptive_layers([], 1.0, 4, wide):  # no layers: the reference path the other variants patch stays theirs
+        assert focus_flex.adapter.reference_attention is reference_attention
 
 def test_passkey_oracle_needle_rows_attend_everything_and_the_rest_keep_the_pattern():
     """``passkey_oracle --variants needle-rows``: the needle's queries get causal dense attention, every other query
