@@ -73,7 +73,15 @@ from torch import nn
 import focus_flex.adapter
 from benchmarks.bench import machine_info
 from focus_flex import FocusAdapter, FocusConfig, routing
-from focus_flex.attention import dense_decode, focus_pattern, near_pairs, reference_attention, routed, tail_rows
+from focus_flex.attention import (
+    dense_decode,
+    focus_pattern,
+    key_validity,
+    near_pairs,
+    reference_attention,
+    routed,
+    tail_rows,
+)
 from focus_flex.cli import keep_freed_memory, layer_head
 from focus_flex.models import load_model
 from focus_flex.passkey import PrefillMeter, answer_key, load_passkey, score
@@ -355,15 +363,26 @@ def wide_layers(layers: list[int], query_top_k: int, key_top_k: int):
     keep the adapter's), on whichever path the adapter runs; the adapter's forward hooks (a routing meter) see the
     same."""
 
+    with in_layers(layers, lambda a: ("config", dataclasses.replace(a.config, query_top_k=query_top_k,
+                                                                    key_top_k=key_top_k))):
+        yield
+
+
+@contextlib.contextmanager
+def in_layers(layers: list[int], change: Callable[[FocusAdapter], tuple[str, object]]):
+    """While active, the adapter runs the Focus layers ``layers`` with its attribute ``name`` set to ``value``
+    (``change(adapter)`` gives both), restored after each call; the other layers as they are."""
+
     def call(self, module, slot, *args):
         if self.config.layers[slot] not in layers:
             return nn.Module.__call__(self, module, slot, *args)
-        own = self.config
-        self.config = dataclasses.replace(own, query_top_k=query_top_k, key_top_k=key_top_k)
+        name, value = change(self)
+        own = getattr(self, name)
+        setattr(self, name, value)
         try:
             return nn.Module.__call__(self, module, slot, *args)
         finally:
-            self.config = own
+            setattr(self, name, own)
 
     with mock.patch.object(FocusAdapter, "__call__", call):
         yield
@@ -389,22 +408,11 @@ def adaptive_layers(layers: list[int], mass: float, most: int, stats: dict[str, 
         yield
         return
 
-    def call(self, module, slot, *args):
-        if self.config.layers[slot] not in layers:
-            return nn.Module.__call__(self, module, slot, *args)
-        own = self.mode
-        self.mode = "reference"
-        try:
-            return nn.Module.__call__(self, module, slot, *args)
-        finally:
-            self.mode = own
-
     def attention(q, k, v, centroids, config, *, attention_mask=None, scale=None, centering=None):
         if dense_decode(config.dense_decode, q.shape[2]):
             return reference_attention(q, k, v, centroids, config, attention_mask=attention_mask, scale=scale,
                                        centering=centering)
-        valid = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool)
-        valid = valid if attention_mask is None else attention_mask.bool()
+        valid = key_validity(k, attention_mask)
         q_route, _ = routed(q, k, valid, centering)
         q_member = mass_membership(q_route, centroids, config.tau, mass, most)
         base = focus_pattern(q, k, centroids, config, attention_mask=attention_mask, centering=centering)
@@ -418,7 +426,7 @@ def adaptive_layers(layers: list[int], mass: float, most: int, stats: dict[str, 
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         return out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
 
-    with mock.patch.object(FocusAdapter, "__call__", call), \
+    with in_layers(layers, lambda a: ("mode", "reference")), \
             mock.patch.object(focus_flex.adapter, "reference_attention", attention):
         yield
 
