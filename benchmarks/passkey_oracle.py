@@ -388,15 +388,6 @@ def in_layers(layers: list[int], change: Callable[[FocusAdapter], tuple[str, obj
         yield
 
 
-def mass_membership(x: torch.Tensor, centroids: torch.Tensor, tau: float, mass: float, most: int) -> torch.Tensor:
-    """Bitmask ``[B, H, L]`` of each vector's likeliest groups, taken in order of routing probability
-    (:func:`focus_flex.routing.scores`, softmax) until they hold ``mass`` of it, at most ``most`` of them."""
-    p = routing.scores(x, centroids, tau).softmax(-1)
-    top, groups = p.topk(most, dim=-1)
-    take = (top.cumsum(-1) - top) < mass  # the first group always; each next one while the mass is short
-    return ((torch.ones_like(groups) << groups) * take).sum(-1)
-
-
 @contextlib.contextmanager
 def adaptive_layers(layers: list[int], mass: float, most: int, stats: dict[str, list[float]]):
     """The Focus layers ``layers`` route each query into its likeliest groups until they hold ``mass`` of its routing
@@ -414,7 +405,7 @@ def adaptive_layers(layers: list[int], mass: float, most: int, stats: dict[str, 
                                        centering=centering)
         valid = key_validity(k, attention_mask)
         q_route, _ = routed(q, k, valid, centering)
-        q_member = mass_membership(q_route, centroids, config.tau, mass, most)
+        q_member = routing.mass_membership(q_route, centroids, config.tau, mass, most)
         base = focus_pattern(q, k, centroids, config, attention_mask=attention_mask, centering=centering)
         base_pairs = base.sum().item()
         del base

@@ -244,7 +244,8 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
                          seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, balance_weight=args.balance_weight,
                          query_samples=args.query_samples, repeats=args.repeats, repeat_span=args.repeat_span,
                          init="keep" if args.init_from else args.init, seed=args.seed, eval_every=args.eval_every,
-                         checkpoint_every=args.checkpoint_every, train_layers=args.train_layers)
+                         checkpoint_every=args.checkpoint_every, train_layers=args.train_layers,
+                         query_mass=args.query_mass, query_most=args.query_most)
         check_batch(tc.batch_size, world)
     except ValueError as e:
         raise CliError(f"invalid settings: {e}") from e
@@ -573,6 +574,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--train-layers", type=int, nargs="+", default=None, metavar="LAYER",
                    help="train only these Focus layers' centroids; the others stay as they start (with --init-from: "
                         "as saved; docs/passkey.md, point 41)")
+    t.add_argument("--query-mass", type=float, default=None, metavar="P",
+                   help="distill: each query's soft top-k takes its likeliest groups until they hold P of its routing "
+                        "probability (at most --query-most) instead of --query-top-k; the saved adapter still routes "
+                        "hard top-k (benchmarks.passkey_oracle --adaptive-mass evaluates it so; docs/passkey.md, "
+                        "point 50)")
+    t.add_argument("--query-most", type=int, default=c.query_most, help="--query-mass: at most this many groups")
     t.add_argument("--seed", type=int, default=c.seed)
     t.add_argument("--eval-every", type=int, default=c.eval_every, help="dev metrics every N steps")
     t.add_argument("--checkpoint-every", type=int, default=c.checkpoint_every)

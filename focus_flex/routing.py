@@ -6,6 +6,7 @@ share their KV head's centroids. Everything here is O(N * G * D): no pairwise wo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -137,20 +138,44 @@ def hard_membership(x: torch.Tensor, centroids: torch.Tensor, k: int) -> torch.T
     return membership(hard_groups(x, centroids, k))
 
 
-def soft_membership(s: torch.Tensor, k: int) -> torch.Tensor:
+def soft_membership(s: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
     """Differentiable top-k indicator, ``[..., G]`` -> ``[..., G]`` in (0, 1).
 
     ``sigmoid(s_g - t)`` with the threshold t halfway between the k-th and (k+1)-th score. Scores carry 1/tau, so
     as routing sharpens (tau -> 0, or scores separate) this tends to the exact top-k indicator of :func:`top_groups`.
     With k == G every group is kept. t is detached: the gradient moves each group's own score against a fixed bar,
     so it is the derivative of the loss with t held, not of the loss (with t differentiable, distillation trains
-    worse hard routing: docs/quality.md, "The soft top-k's threshold").
+    worse hard routing: docs/quality.md, "The soft top-k's threshold"). k may differ per row: an int64 tensor
+    ``[...]`` of counts in ``[1, G]`` (:func:`mass_counts`).
     """
-    if k >= s.shape[-1]:
-        return torch.ones_like(s)
-    top = s.detach().topk(k + 1, dim=-1).values
-    threshold = 0.5 * (top[..., k - 1] + top[..., k])
+    g = s.shape[-1]
+    if isinstance(k, int):
+        if k >= g:
+            return torch.ones_like(s)
+        k = torch.full(s.shape[:-1], k, dtype=torch.long, device=s.device)
+    most = min(int(k.max()) + 1, g)
+    top = s.detach().topk(most, dim=-1).values
+    top = torch.cat([top, top.new_full((*top.shape[:-1], 1), -math.inf)], -1)  # past the last group: keep all
+    pair = top.gather(-1, torch.stack([k - 1, k.clamp_max(most)], -1))
+    threshold = 0.5 * (pair[..., 0] + pair[..., 1])
     return torch.sigmoid(s - threshold.unsqueeze(-1))
+
+
+def mass_counts(s: torch.Tensor, mass: float, most: int) -> torch.Tensor:
+    """How many groups each row takes, in order of routing probability (``softmax`` of the scores s ``[..., G]``),
+    until they hold ``mass`` of it: ``[...]`` int64 in ``[1, most]``. Rows whose routing is sure take one group,
+    rows that hesitate take the groups they hesitate between."""
+    top = s.detach().softmax(-1).topk(min(most, s.shape[-1]), dim=-1).values
+    return ((top.cumsum(-1) - top) < mass).sum(-1)  # the first group always; each next one while the mass is short
+
+
+def mass_membership(x: torch.Tensor, centroids: torch.Tensor, tau: float, mass: float, most: int) -> torch.Tensor:
+    """Bitmask ``[B, H, L]`` of each vector's likeliest groups until they hold ``mass`` of its routing probability
+    (:func:`mass_counts` of :func:`scores`)."""
+    s = scores(x, centroids, tau)
+    groups = s.topk(min(most, s.shape[-1]), dim=-1).indices
+    take = torch.arange(groups.shape[-1], device=s.device) < mass_counts(s, mass, most).unsqueeze(-1)
+    return ((torch.ones_like(groups) << groups) * take).sum(-1)
 
 
 def probabilities(s: torch.Tensor) -> torch.Tensor:

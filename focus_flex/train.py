@@ -99,6 +99,8 @@ class TrainConfig:
     repeat_span: int = 32  # tokens per copied span
     init: str = "kmeans"  # spherical k-means of the keys of the first sequence, "random", or "keep" (fine-tune)
     train_layers: list[int] | None = None  # Focus layers whose centroids learn (None: all); the rest stay as they start
+    query_mass: float | None = None  # distill: queries take groups until they hold this much routing probability
+    query_most: int = 10  # ... at most this many (query_mass only)
     seed: int = 0
     eval_every: int = 0  # dev metrics every N steps (0: at the end only)
     checkpoint_every: int = 0  # checkpoint every N steps (0: at the end only, when an output dir is given)
@@ -108,7 +110,7 @@ class TrainConfig:
             raise ValueError(f"objective={self.objective!r}; choose one of {OBJECTIVES}")
         if self.init not in INITS:
             raise ValueError(f"init={self.init!r}; choose one of {INITS}")
-        for name in ("steps", "batch_size", "seq_len", "query_samples", "repeat_span"):
+        for name in ("steps", "batch_size", "seq_len", "query_samples", "repeat_span", "query_most"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be an int >= 1")
         if not isinstance(self.repeats, int) or self.repeats < 0:
@@ -117,6 +119,9 @@ class TrainConfig:
                 self.train_layers) or not all(isinstance(x, int) and x >= 0 for x in self.train_layers)):
             raise ValueError(f"train_layers={self.train_layers!r} must be None (every Focus layer) or distinct layer "
                              "indices >= 0")
+        if self.query_mass is not None and (self.objective != "distill" or not 0 < self.query_mass <= 1):
+            raise ValueError(f"query_mass={self.query_mass!r} needs objective='distill' (it sets the soft top-k of the "
+                             f"layer-local loss) and a probability in (0, 1]; got objective={self.objective!r}")
         if self.repeats and self.objective == "lm":
             raise ValueError("repeats needs objective='distill' or 'kd' (the copies choose which rows or positions "
                              "are distilled)")
@@ -300,12 +305,15 @@ def _attention_rows(q: torch.Tensor, k: torch.Tensor, config: FocusConfig, query
 
 def distill_layer_loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
                        config: FocusConfig, query_idx: torch.Tensor, scale: float | None = None,
-                       centering: routing.Centering | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       centering: routing.Centering | None = None, query_mass: float | None = None,
+                       query_most: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer-local Focus objective of one layer: ``(output error, balance)`` scalars (module docstring).
 
     q ``[B, Hq, L, D]``, k and v ``[B, Hkv, L, D]`` (post-RoPE, from the frozen model, positions ``0..L-1``),
     centroids ``[Hkv, G, D]``, query_idx ``[Q]``: the query positions whose attention outputs enter the error;
-    ``centering``: route mean-removed vectors.
+    ``centering``: route mean-removed vectors. ``query_mass``: each query's soft top-k takes its groups until they
+    hold that much of its routing probability (:func:`routing.mass_counts`, at most ``query_most``) instead of
+    ``config.query_top_k``.
     """
     rep = q.shape[1] // k.shape[1]
     with torch.no_grad():
@@ -315,7 +323,9 @@ def distill_layer_loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centro
         far = ~(near | future)
     s_k = routing.scores(routing_vectors(k, centering, "key"), centroids, config.tau)  # [B, Hkv, L, G]
     q_route = routing_vectors(q[:, :, query_idx], centering, "query", query_idx)
-    a = routing.soft_membership(routing.scores(q_route, centroids, config.tau), config.query_top_k)
+    s_q = routing.scores(q_route, centroids, config.tau)
+    top_k = config.query_top_k if query_mass is None else routing.mass_counts(s_q, query_mass, query_most)
+    a = routing.soft_membership(s_q, top_k)
     b = routing.soft_membership(s_k, config.key_top_k)
     b = (b / b.sum(-1, keepdim=True)).repeat_interleave(rep, 1)  # one unit of mass: see the module docstring
     keep = torch.where(far, (a @ b.transpose(-1, -2)).clamp_max(1.0), near.float())
@@ -416,7 +426,7 @@ def accumulate_gradients(model: nn.Module, adapter: FocusAdapter, sequences: tor
             for slot in slots:  # layer-local: a layer whose centroids do not learn has nothing to distill
                 q, k, v, scale = qkv[cfg.layers[slot]]
                 err, bal = distill_layer_loss(q, k, v, adapter.centroids[slot], cfg, idx, scale,
-                                              (centering or {}).get(slot))
+                                              (centering or {}).get(slot), tc.query_mass, tc.query_most)
                 main = err / len(slots)
                 bal = bal / len(slots)
                 ((main + tc.balance_weight * bal) / global_batch).backward()

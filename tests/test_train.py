@@ -333,6 +333,47 @@ def test_config_errors():
               windows(length=40), TrainConfig(steps=1, seq_len=40, query_samples=16), progress=False)
 
 
+def test_mass_routing_takes_each_querys_groups_until_they_hold_the_mass():
+    """``query_mass``: a query takes its likeliest groups until they hold that much of its routing probability (checked
+    one vector at a time), the soft top-k puts its threshold below each row's own last group, and the distill loss
+    with the mass is the loss of the group count every row ends up with."""
+    torch.manual_seed(0)
+    x, c = torch.randn(1, 2, 40, 16), F.normalize(torch.randn(2, 5, 16), dim=-1)
+    member = routing.mass_membership(x, c, 0.3, 0.6, 3)
+    p = routing.scores(x, c, 0.3).softmax(-1)
+    for h in range(2):
+        for i in range(40):
+            order, held, want = p[0, h, i].argsort(descending=True).tolist(), 0.0, 0
+            for g in order[:3]:
+                want |= 1 << g
+                held += p[0, h, i, g].item()
+                if held >= 0.6:
+                    break
+            assert member[0, h, i].item() == want, (h, i)
+    counts = routing.mass_counts(routing.scores(x, c, 0.3), 0.6, 3)
+    assert torch.equal(counts, routing.member_bits(member, 5).sum(-1)) and set(counts.unique().tolist()) == {1, 2, 3}
+    s = routing.scores(x, c, 0.3)
+    soft = routing.soft_membership(s, counts)
+    for k in (1, 2, 3):  # each row as the fixed top-k of its own count
+        assert torch.equal(soft[counts == k], routing.soft_membership(s, k)[counts == k])
+    assert torch.equal(routing.soft_membership(s, torch.full_like(counts, 5)), torch.ones_like(s))
+
+    cfg = FocusConfig(num_groups=8, query_top_k=1, window=4, sink_tokens=1, tau=0.5)
+    q, k, v, c = torch.randn(1, 4, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(2, 8, 8)
+    idx = torch.arange(4, 32)
+    one, _ = distill_layer_loss(q, k, v, c, cfg, idx)
+    two, _ = distill_layer_loss(q, k, v, c, FocusConfig(**{**cfg.to_dict(), "query_top_k": 2}), idx)
+    assert torch.equal(distill_layer_loss(q, k, v, c, cfg, idx, query_mass=1e-6)[0], one)
+    assert torch.equal(distill_layer_loss(q, k, v, c, cfg, idx, query_mass=1.0, query_most=2)[0], two)
+    assert distill_layer_loss(q, k, v, c, cfg, idx, query_mass=1.0, query_most=8)[0] < 1e-12  # every far key kept
+    assert one > two > 1e-4
+    for bad in ({"query_mass": 0.0}, {"query_mass": 1.5}, {"query_mass": 0.8, "objective": "kd"}):
+        with pytest.raises(ValueError, match="query_mass"):
+            TrainConfig(**bad)
+    with pytest.raises(ValueError, match="query_most"):
+        TrainConfig(query_mass=0.8, query_most=0)
+
+
 def test_with_repeats_copies_spans_far_ahead():
     seq = torch.randint(0, 10**6, (400,), generator=torch.Generator().manual_seed(0))
     out, follow = T.with_repeats(seq, 4, 12, 64, torch.Generator().manual_seed(3))
