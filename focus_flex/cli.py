@@ -245,7 +245,8 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
                          query_samples=args.query_samples, repeats=args.repeats, repeat_span=args.repeat_span,
                          init="keep" if args.init_from else args.init, seed=args.seed, eval_every=args.eval_every,
                          checkpoint_every=args.checkpoint_every, train_layers=args.train_layers,
-                         query_mass=args.query_mass, query_most=args.query_most)
+                         query_mass=args.query_mass, query_most=args.query_most,
+                         entropy_weight=args.entropy_weight)
         check_batch(tc.batch_size, world)
     except ValueError as e:
         raise CliError(f"invalid settings: {e}") from e
@@ -580,6 +581,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "hard top-k (benchmarks.passkey_oracle --adaptive-mass evaluates it so; docs/passkey.md, "
                         "point 50)")
     t.add_argument("--query-most", type=int, default=c.query_most, help="--query-mass: at most this many groups")
+    t.add_argument("--entropy-weight", type=float, default=c.entropy_weight,
+                   help="--query-mass: add this times the queries' routing entropy to the loss, so that a query does "
+                        "not take more groups by routing flatter (docs/passkey.md, point 50)")
     t.add_argument("--seed", type=int, default=c.seed)
     t.add_argument("--eval-every", type=int, default=c.eval_every, help="dev metrics every N steps")
     t.add_argument("--checkpoint-every", type=int, default=c.checkpoint_every)

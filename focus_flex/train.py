@@ -30,6 +30,10 @@ probabilities and their Sinkhorn-balanced targets (:func:`routing.sinkhorn`). Ke
 far pairs a query sees (k_q groups' worth of keys), so balanced key groups bound the density and no group
 swallows the sequence; queries are free to pick whichever groups hold the keys they attend to.
 
+Groups by probability mass (``query_mass``, distill): a query's soft top-k takes its likeliest groups until they hold
+that much of its routing probability, so the queries whose routing hesitates get more groups. Flatter routing then
+buys more groups at no cost in the loss; ``entropy_weight`` x the queries' mean routing entropy prices it.
+
 Data parallelism: when ``torch.distributed`` is initialised (``torchrun``, ``accelerate launch``;
 :func:`init_distributed`), rank r takes sequences ``r, r + W, ...`` of each global batch, every sequence's
 loss is divided by the global batch size and centroid gradients are summed with ``all_reduce``, so W
@@ -101,6 +105,7 @@ class TrainConfig:
     train_layers: list[int] | None = None  # Focus layers whose centroids learn (None: all); the rest stay as they start
     query_mass: float | None = None  # distill: queries take groups until they hold this much routing probability
     query_most: int = 10  # ... at most this many (query_mass only)
+    entropy_weight: float = 0.0  # query_mass: weight of the queries' routing entropy (the price of their extra groups)
     seed: int = 0
     eval_every: int = 0  # dev metrics every N steps (0: at the end only)
     checkpoint_every: int = 0  # checkpoint every N steps (0: at the end only, when an output dir is given)
@@ -122,6 +127,9 @@ class TrainConfig:
         if self.query_mass is not None and (self.objective != "distill" or not 0 < self.query_mass <= 1):
             raise ValueError(f"query_mass={self.query_mass!r} needs objective='distill' (it sets the soft top-k of the "
                              f"layer-local loss) and a probability in (0, 1]; got objective={self.objective!r}")
+        if self.entropy_weight and (self.query_mass is None or not 0 < self.entropy_weight < math.inf):
+            raise ValueError(f"entropy_weight={self.entropy_weight!r} prices the groups query_mass adds: it needs "
+                             "query_mass and a finite weight > 0")
         if self.repeats and self.objective == "lm":
             raise ValueError("repeats needs objective='distill' or 'kd' (the copies choose which rows or positions "
                              "are distilled)")
@@ -306,8 +314,9 @@ def _attention_rows(q: torch.Tensor, k: torch.Tensor, config: FocusConfig, query
 def distill_layer_loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
                        config: FocusConfig, query_idx: torch.Tensor, scale: float | None = None,
                        centering: routing.Centering | None = None, query_mass: float | None = None,
-                       query_most: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer-local Focus objective of one layer: ``(output error, balance)`` scalars (module docstring).
+                       query_most: int = 10) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Layer-local Focus objective of one layer: ``(output error, balance, query entropy)`` scalars (module
+    docstring; the last: the mean entropy of the sampled queries' routing probabilities, in nats).
 
     q ``[B, Hq, L, D]``, k and v ``[B, Hkv, L, D]`` (post-RoPE, from the frozen model, positions ``0..L-1``),
     centroids ``[Hkv, G, D]``, query_idx ``[Q]``: the query positions whose attention outputs enter the error;
@@ -329,7 +338,8 @@ def distill_layer_loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centro
     b = routing.soft_membership(s_k, config.key_top_k)
     b = (b / b.sum(-1, keepdim=True)).repeat_interleave(rep, 1)  # one unit of mass: see the module docstring
     keep = torch.where(far, (a @ b.transpose(-1, -2)).clamp_max(1.0), near.float())
-    return output_error(p, keep, vv, full).mean(), balance_loss(s_k, config.sinkhorn_iters)
+    entropy = -(s_q.softmax(-1) * s_q.log_softmax(-1)).sum(-1).mean()
+    return output_error(p, keep, vv, full).mean(), balance_loss(s_k, config.sinkhorn_iters), entropy
 
 
 def output_error(p: torch.Tensor, keep: torch.Tensor, v: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
@@ -425,13 +435,14 @@ def accumulate_gradients(model: nn.Module, adapter: FocusAdapter, sequences: tor
             idx = idx.to(next(model.parameters()).device)
             for slot in slots:  # layer-local: a layer whose centroids do not learn has nothing to distill
                 q, k, v, scale = qkv[cfg.layers[slot]]
-                err, bal = distill_layer_loss(q, k, v, adapter.centroids[slot], cfg, idx, scale,
-                                              (centering or {}).get(slot), tc.query_mass, tc.query_most)
-                main = err / len(slots)
-                bal = bal / len(slots)
-                ((main + tc.balance_weight * bal) / global_batch).backward()
+                err, bal, entropy = distill_layer_loss(q, k, v, adapter.centroids[slot], cfg, idx, scale,
+                                                       (centering or {}).get(slot), tc.query_mass, tc.query_most)
+                main, bal, entropy = err / len(slots), bal / len(slots), entropy / len(slots)
+                ((main + tc.balance_weight * bal + tc.entropy_weight * entropy) / global_batch).backward()
                 sums[tc.objective] += main.item() / global_batch
                 sums["balance"] += bal.item() / global_batch
+                if tc.entropy_weight:
+                    sums["entropy"] = sums.get("entropy", 0.0) + entropy.item() / global_batch
         else:
             follow = None
             if tc.objective == "kd" and tc.repeats:
@@ -441,7 +452,7 @@ def accumulate_gradients(model: nn.Module, adapter: FocusAdapter, sequences: tor
             ((main + tc.balance_weight * bal) / global_batch).backward()
             sums[tc.objective] += main.item() / global_batch
             sums["balance"] += bal.item() / global_batch
-    sums["loss"] = sums[tc.objective] + tc.balance_weight * sums["balance"]
+    sums["loss"] = sums[tc.objective] + tc.balance_weight * sums["balance"] + tc.entropy_weight * sums.get("entropy", 0)
     return sums
 
 

@@ -186,7 +186,7 @@ def test_distill_loss_is_the_output_error_of_hard_focus_attention(key_top_k, sca
     cfg = FocusConfig(num_groups=8, query_top_k=2, key_top_k=key_top_k, window=4, sink_tokens=1, tau=1e-6)
     q, k, v, c = torch.randn(1, 4, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(2, 8, 8)
     idx = torch.arange(4, 32)
-    err, _ = distill_layer_loss(q, k, v, c, cfg, idx, scale)  # (the balance term: test_balance_loss_...)
+    err, _, _ = distill_layer_loss(q, k, v, c, cfg, idx, scale)  # (the balance term: test_balance_loss_...)
     focus = reference_attention(q, k, v, c, cfg, scale=scale)[:, :, idx]
     full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)[:, :, idx]
     expected = (focus - full).pow(2).sum((-1, -2)) / full.pow(2).sum((-1, -2))
@@ -361,17 +361,33 @@ def test_mass_routing_takes_each_querys_groups_until_they_hold_the_mass():
     cfg = FocusConfig(num_groups=8, query_top_k=1, window=4, sink_tokens=1, tau=0.5)
     q, k, v, c = torch.randn(1, 4, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(2, 8, 8)
     idx = torch.arange(4, 32)
-    one, _ = distill_layer_loss(q, k, v, c, cfg, idx)
-    two, _ = distill_layer_loss(q, k, v, c, FocusConfig(**{**cfg.to_dict(), "query_top_k": 2}), idx)
+    one, _, entropy = distill_layer_loss(q, k, v, c, cfg, idx)
+    two, _, _ = distill_layer_loss(q, k, v, c, FocusConfig(**{**cfg.to_dict(), "query_top_k": 2}), idx)
     assert torch.equal(distill_layer_loss(q, k, v, c, cfg, idx, query_mass=1e-6)[0], one)
     assert torch.equal(distill_layer_loss(q, k, v, c, cfg, idx, query_mass=1.0, query_most=2)[0], two)
     assert distill_layer_loss(q, k, v, c, cfg, idx, query_mass=1.0, query_most=8)[0] < 1e-12  # every far key kept
     assert one > two > 1e-4
+    probs = routing.scores(q[:, :, idx], c, cfg.tau).softmax(-1)
+    assert torch.allclose(entropy, -(probs * probs.log()).sum(-1).mean())
+
+    def trained_entropy(weight: float) -> float:  # the routing entropy of the queries after training
+        model = tiny_llama()
+        adapter = FocusAdapter.for_model(model, FOCUS, seed=0)
+        tc = TrainConfig(steps=4, batch_size=2, seq_len=48, query_samples=16, query_mass=0.8, entropy_weight=weight)
+        train(model, adapter, windows(), tc, progress=False)
+        qkv = T.teacher_qkv(model, windows()[:1])
+        return sum(distill_layer_loss(*qkv[i][:3], adapter.centroids[i], FOCUS, torch.arange(8, 48))[2].item()
+                   for i in range(2))
+
+    assert trained_entropy(1.0) < trained_entropy(1e-9) - 0.05  # the price of a flatter routing sharpens it
     for bad in ({"query_mass": 0.0}, {"query_mass": 1.5}, {"query_mass": 0.8, "objective": "kd"}):
         with pytest.raises(ValueError, match="query_mass"):
             TrainConfig(**bad)
     with pytest.raises(ValueError, match="query_most"):
         TrainConfig(query_mass=0.8, query_most=0)
+    for bad in ({"entropy_weight": 0.1}, {"query_mass": 0.8, "entropy_weight": -1.0}):
+        with pytest.raises(ValueError, match="entropy_weight"):
+            TrainConfig(**bad)
 
 
 def test_with_repeats_copies_spans_far_ahead():
@@ -454,7 +470,7 @@ def test_centered_distill_loss_is_the_error_of_centered_hard_focus_attention():
     for centering in (center, None):
         focus = reference_attention(q, k, v, c, cfg, centering=centering)[:, :, idx]
         expected = ((focus - full).pow(2).sum((-1, -2)) / full.pow(2).sum((-1, -2))).mean()
-        err, _ = distill_layer_loss(q, k, v, c, cfg, idx, centering=centering)
+        err, _, _ = distill_layer_loss(q, k, v, c, cfg, idx, centering=centering)
         assert torch.allclose(err, expected, rtol=1e-3)
         hard_err = T.hard_fidelity(q, k, v, c, cfg, idx, centering=centering)[1].mean()
         assert torch.allclose(hard_err, expected, rtol=1e-3)
