@@ -588,9 +588,8 @@ _ROUTING = ("num_groups", "query_top_k", "key_top_k", "window", "sink_tokens", "
 
 def _check_resume(ckpt: str, state: dict[str, Any], saved: FocusConfig, focus: FocusConfig, tc: TrainConfig) -> None:
     """A checkpoint continues this run only if it was made with the same settings and is not past its end."""
-    was = state.get("train_config", {})
-    diff = [f"{k}: {was.get(k)!r} there, {v!r} now" for k, v in asdict(tc).items()
-            if k not in _RESUMABLE and was.get(k) != v]
+    was = {**asdict(TrainConfig()), **state.get("train_config", {})}  # a setting newer than the checkpoint: default
+    diff = [f"{k}: {was[k]!r} there, {v!r} now" for k, v in asdict(tc).items() if k not in _RESUMABLE and was[k] != v]
     diff += [f"{k}: {getattr(saved, k)!r} there, {getattr(focus, k)!r} now" for k in _ROUTING
              if getattr(saved, k) != getattr(focus, k)]
     if diff:

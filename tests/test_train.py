@@ -130,6 +130,15 @@ def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
         train(model, FocusAdapter.for_model(model, FOCUS), windows(), more, progress=False, resume=str(tmp_path))
 
 
+def test_a_checkpoint_from_before_a_setting_existed_resumes_with_its_default():
+    """A checkpoint's train_config lacks settings added since it was saved: they were the default then."""
+    tc = TrainConfig(steps=4)
+    older = {k: v for k, v in tc.__dict__.items() if k not in ("query_mass", "query_most", "entropy_weight")}
+    T._check_resume("ckpt", {"step": 2, "train_config": older}, FOCUS, FOCUS, tc)
+    with pytest.raises(ValueError, match="query_mass: None there, 0.8 now"):
+        T._check_resume("ckpt", {"step": 2, "train_config": older}, FOCUS, FOCUS, TrainConfig(steps=4, query_mass=0.8))
+
+
 def _ddp_worker(rank: int, world: int, init_file: str, out: str, objective: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
