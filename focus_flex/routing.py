@@ -161,11 +161,16 @@ def soft_membership(s: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(s - threshold.unsqueeze(-1))
 
 
+def probabilities(s: torch.Tensor) -> torch.Tensor:
+    """Routing probabilities over groups, ``softmax`` of the scores."""
+    return s.softmax(-1)
+
+
 def mass_counts(s: torch.Tensor, mass: float, most: int) -> torch.Tensor:
     """How many groups each row takes, in order of routing probability (``softmax`` of the scores s ``[..., G]``),
     until they hold ``mass`` of it: ``[...]`` int64 in ``[1, most]``. Rows whose routing is sure take one group,
     rows that hesitate take the groups they hesitate between."""
-    top = s.detach().softmax(-1).topk(min(most, s.shape[-1]), dim=-1).values
+    top = probabilities(s.detach()).topk(min(most, s.shape[-1]), dim=-1).values
     return ((top.cumsum(-1) - top) < mass).sum(-1)  # the first group always; each next one while the mass is short
 
 
@@ -173,14 +178,9 @@ def mass_membership(x: torch.Tensor, centroids: torch.Tensor, tau: float, mass: 
     """Bitmask ``[B, H, L]`` of each vector's likeliest groups until they hold ``mass`` of its routing probability
     (:func:`mass_counts` of :func:`scores`)."""
     s = scores(x, centroids, tau)
-    groups = s.topk(min(most, s.shape[-1]), dim=-1).indices
+    groups = top_groups(s, min(most, s.shape[-1]))
     take = torch.arange(groups.shape[-1], device=s.device) < mass_counts(s, mass, most).unsqueeze(-1)
     return ((torch.ones_like(groups) << groups) * take).sum(-1)
-
-
-def probabilities(s: torch.Tensor) -> torch.Tensor:
-    """Routing probabilities over groups, ``softmax`` of the scores."""
-    return s.softmax(-1)
 
 
 def sinkhorn(s: torch.Tensor, iters: int = 3) -> torch.Tensor:

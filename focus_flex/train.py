@@ -338,7 +338,7 @@ def distill_layer_loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centro
     b = routing.soft_membership(s_k, config.key_top_k)
     b = (b / b.sum(-1, keepdim=True)).repeat_interleave(rep, 1)  # one unit of mass: see the module docstring
     keep = torch.where(far, (a @ b.transpose(-1, -2)).clamp_max(1.0), near.float())
-    entropy = -(s_q.softmax(-1) * s_q.log_softmax(-1)).sum(-1).mean()
+    entropy = -(routing.probabilities(s_q) * s_q.log_softmax(-1)).sum(-1).mean()
     return output_error(p, keep, vv, full).mean(), balance_loss(s_k, config.sinkhorn_iters), entropy
 
 
