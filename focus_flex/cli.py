@@ -246,7 +246,7 @@ def cmd_retrofit(args: argparse.Namespace) -> int:
                          init="keep" if args.init_from else args.init, seed=args.seed, eval_every=args.eval_every,
                          checkpoint_every=args.checkpoint_every, train_layers=args.train_layers,
                          query_mass=args.query_mass, query_most=args.query_most,
-                         entropy_weight=args.entropy_weight)
+                         entropy_weight=args.entropy_weight, fisher=args.fisher)
         check_batch(tc.batch_size, world)
     except ValueError as e:
         raise CliError(f"invalid settings: {e}") from e
@@ -584,6 +584,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--entropy-weight", type=float, default=c.entropy_weight,
                    help="--query-mass: add this times the queries' routing entropy to the loss, so that a query does "
                         "not take more groups by routing flatter (docs/passkey.md, point 50)")
+    t.add_argument("--fisher", action="store_true",
+                   help="distill: draw the rows of each layer and weight its heads by the Fisher weight of their "
+                        "attention output (how much an error there moves the model's output, through every later "
+                        "layer; one backward pass of the model per sequence; docs/passkey.md, point 51)")
     t.add_argument("--seed", type=int, default=c.seed)
     t.add_argument("--eval-every", type=int, default=c.eval_every, help="dev metrics every N steps")
     t.add_argument("--checkpoint-every", type=int, default=c.checkpoint_every)

@@ -106,6 +106,7 @@ class TrainConfig:
     query_mass: float | None = None  # distill: queries take groups until they hold this much routing probability
     query_most: int = 10  # ... at most this many (query_mass only)
     entropy_weight: float = 0.0  # query_mass: weight of the queries' routing entropy (the price of their extra groups)
+    fisher: bool = False  # distill: draw rows and weight heads by the Fisher weight of their output (fisher_qkv)
     seed: int = 0
     eval_every: int = 0  # dev metrics every N steps (0: at the end only)
     checkpoint_every: int = 0  # checkpoint every N steps (0: at the end only, when an output dir is given)
@@ -130,6 +131,9 @@ class TrainConfig:
         if self.entropy_weight and (self.query_mass is None or not 0 < self.entropy_weight < math.inf):
             raise ValueError(f"entropy_weight={self.entropy_weight!r} prices the groups query_mass adds: it needs "
                              "query_mass and a finite weight > 0")
+        if self.fisher and self.objective != "distill":
+            raise ValueError(f"fisher=True weighs the rows of the layer-local loss: it needs objective='distill', "
+                             f"got {self.objective!r} (lm and kd are end to end already)")
         if self.repeats and self.objective == "lm":
             raise ValueError("repeats needs objective='distill' or 'kd' (the copies choose which rows or positions "
                              "are distilled)")
@@ -180,8 +184,10 @@ def rank_and_world() -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def capture_qkv(model: nn.Module) -> Iterator[QKV]:
-    """While active, forwards of ``model`` record ``{layer: LayerQKV(q, k, v, scale)}`` (post-RoPE q and k).
+def capture_qkv(model: nn.Module, outputs: dict[int, torch.Tensor] | None = None) -> Iterator[QKV]:
+    """While active, forwards of ``model`` record ``{layer: LayerQKV(q, k, v, scale)}`` (post-RoPE q and k), and
+    into ``outputs``, if given, each layer's attention output ``[B, L, Hq, D]`` (before the output projection) as a
+    tensor that gradients can be taken with respect to.
 
     The model's own attention still computes the outputs: a transformers attention implementation that
     stores the tensors and delegates to ``sdpa_attention_forward``, with SDPA's mask builder.
@@ -196,8 +202,13 @@ def capture_qkv(model: nn.Module) -> Iterator[QKV]:
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         store[module.layer_idx] = LayerQKV(query.detach(), key.detach(), value.detach(), scaling)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                              scaling=scaling, **kwargs)
+        if outputs is not None:
+            if torch.is_grad_enabled() and not out.requires_grad:  # the first layer: where the gradient path starts
+                out = out.detach().requires_grad_()
+            outputs[module.layer_idx] = out
+        return out, weights
 
     AttentionInterface.register(CAPTURE, attention)
     AttentionMaskInterface.register(CAPTURE, sdpa_mask)
@@ -207,6 +218,25 @@ def capture_qkv(model: nn.Module) -> Iterator[QKV]:
         yield store
     finally:
         model.set_attn_implementation(original)
+
+
+def fisher_qkv(model: nn.Module, input_ids: torch.Tensor,
+               generator: torch.Generator) -> tuple[QKV, dict[int, torch.Tensor]]:
+    """:func:`teacher_qkv` of ``input_ids [1, L]`` and every layer's Fisher weights ``[Hq, L]``: the squared norm of
+    the gradient of ``sum_t log p(y_t)``, ``y_t`` drawn from the model's own next-token distribution, with respect
+    to that layer's attention output of each head and row (before the output projection).
+
+    Its expectation is the trace of the Fisher information of the model's output about that head's output at that
+    row: the second-order weight of an error there in the KL from the model's output, through every later layer
+    and position. One forward and one backward pass (no parameter gradients)."""
+    outputs: dict[int, torch.Tensor] = {}
+    with capture_qkv(model, outputs) as store, torch.enable_grad():
+        logits = model(input_ids=input_ids.to(next(model.parameters()).device), use_cache=False).logits[0]
+        logp = logits.float().log_softmax(-1)
+        y = torch.multinomial(logp.detach().exp().cpu(), 1, generator=generator).to(logp.device)
+        layers = sorted(outputs)
+        grads = torch.autograd.grad(logp.gather(-1, y).sum(), [outputs[i] for i in layers])
+    return dict(store), {i: g[0].float().pow(2).sum(-1).transpose(0, 1) for i, g in zip(layers, grads, strict=True)}
 
 
 @torch.no_grad()
@@ -314,7 +344,8 @@ def _attention_rows(q: torch.Tensor, k: torch.Tensor, config: FocusConfig, query
 def distill_layer_loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor,
                        config: FocusConfig, query_idx: torch.Tensor, scale: float | None = None,
                        centering: routing.Centering | None = None, query_mass: float | None = None,
-                       query_most: int = 10) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       query_most: int = 10, head_weights: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Layer-local Focus objective of one layer: ``(output error, balance, query entropy)`` scalars (module
     docstring; the last: the mean entropy of the sampled queries' routing probabilities, in nats).
 
@@ -322,7 +353,8 @@ def distill_layer_loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centro
     centroids ``[Hkv, G, D]``, query_idx ``[Q]``: the query positions whose attention outputs enter the error;
     ``centering``: route mean-removed vectors. ``query_mass``: each query's soft top-k takes its groups until they
     hold that much of its routing probability (:func:`routing.mass_counts`, at most ``query_most``) instead of
-    ``config.query_top_k``.
+    ``config.query_top_k``. ``head_weights [B, Hq, Q]``: the error is ``sum r |o - o^full|^2 / sum r |o^full|^2``
+    over every head and row, weighted by ``r`` (Fisher weights), instead of each head's relative error averaged.
     """
     rep = q.shape[1] // k.shape[1]
     with torch.no_grad():
@@ -339,15 +371,24 @@ def distill_layer_loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centro
     b = (b / b.sum(-1, keepdim=True)).repeat_interleave(rep, 1)  # one unit of mass: see the module docstring
     keep = torch.where(far, (a @ b.transpose(-1, -2)).clamp_max(1.0), near.float())
     entropy = -(routing.probabilities(s_q) * s_q.log_softmax(-1)).sum(-1).mean()
-    return output_error(p, keep, vv, full).mean(), balance_loss(s_k, config.sinkhorn_iters), entropy
+    if head_weights is None:
+        err = output_error(p, keep, vv, full).mean()
+    else:
+        r = head_weights.to(full)
+        err = (r * row_errors(p, keep, vv, full)).sum() / (r * full.pow(2).sum(-1)).sum().clamp_min(1e-12)
+    return err, balance_loss(s_k, config.sinkhorn_iters), entropy
+
+
+def row_errors(p: torch.Tensor, keep: torch.Tensor, v: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """Squared error ``[B, H, Q]`` of attention rows ``p [B, H, Q, L]`` reweighted by ``keep`` and renormalised,
+    against the full output ``full = p @ v`` ``[B, H, Q, D]`` (v ``[B, H, L, D]``)."""
+    w = p * keep
+    return ((w @ v) / w.sum(-1, keepdim=True) - full).pow(2).sum(-1)
 
 
 def output_error(p: torch.Tensor, keep: torch.Tensor, v: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """Relative squared error ``[B, H]`` of attention rows ``p [B, H, Q, L]`` reweighted by ``keep`` and
-    renormalised, against the full output ``full = p @ v`` ``[B, H, Q, D]`` (v ``[B, H, L, D]``)."""
-    w = p * keep
-    out = (w @ v) / w.sum(-1, keepdim=True)
-    return (out - full).pow(2).sum((-1, -2)) / full.pow(2).sum((-1, -2)).clamp_min(1e-12)
+    """Relative squared error ``[B, H]`` of :func:`row_errors`: ``sum |o - o^full|^2 / sum |o^full|^2`` over rows."""
+    return row_errors(p, keep, v, full).sum(-1) / full.pow(2).sum((-1, -2)).clamp_min(1e-12)
 
 
 @torch.no_grad()
@@ -370,6 +411,18 @@ def query_positions(n: int, count: int, config: FocusConfig, generator: torch.Ge
     """``count`` random query positions that have far keys (``>= window``; all positions if n <= window)."""
     low = min(config.window, n - 1)
     return torch.randint(low, n, (count,), generator=generator)
+
+
+def fisher_rows(weights: torch.Tensor, count: int, config: FocusConfig,
+                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` query positions that have far keys, drawn with replacement in proportion to their Fisher weight
+    summed over the heads (``weights [Hq, L]``, :func:`fisher_qkv`), and each head's share of it ``[1, Hq, count]``:
+    with these shares as head weights, the sampled error estimates the Fisher-weighted error of every row."""
+    low = min(config.window, weights.shape[1] - 1)
+    row = weights[:, low:].sum(0).cpu()
+    idx = low + torch.multinomial(row / row.sum(), count, replacement=True, generator=generator)
+    share = weights[:, idx.to(weights.device)] / row[idx - low].to(weights).clamp_min(1e-30)
+    return idx, share[None]
 
 
 def with_repeats(seq: torch.Tensor, count: int, span: int, min_gap: int,
@@ -431,12 +484,19 @@ def accumulate_gradients(model: nn.Module, adapter: FocusAdapter, sequences: tor
                 seq, follow = with_repeats(seq.cpu(), tc.repeats, tc.repeat_span, cfg.window, gen)
                 pick = follow[torch.randint(0, len(follow), (tc.query_samples // 2,), generator=gen)]
                 idx = torch.cat([idx[:tc.query_samples - len(pick)], pick])
-            qkv = teacher_qkv(model, seq[None])
-            idx = idx.to(next(model.parameters()).device)
+            if tc.fisher:
+                qkv, fisher = fisher_qkv(model, seq[None], gen)
+            else:
+                qkv, fisher = teacher_qkv(model, seq[None]), None
             for slot in slots:  # layer-local: a layer whose centroids do not learn has nothing to distill
                 q, k, v, scale = qkv[cfg.layers[slot]]
+                heads = None
+                if fisher is not None:  # rows drawn by their weight, heads weighted by their share of it
+                    idx, heads = fisher_rows(fisher[cfg.layers[slot]], tc.query_samples, cfg, gen)
+                idx = idx.to(q.device)
                 err, bal, entropy = distill_layer_loss(q, k, v, adapter.centroids[slot], cfg, idx, scale,
-                                                       (centering or {}).get(slot), tc.query_mass, tc.query_most)
+                                                       (centering or {}).get(slot), tc.query_mass, tc.query_most,
+                                                       heads)
                 main, bal, entropy = err / len(slots), bal / len(slots), entropy / len(slots)
                 ((main + tc.balance_weight * bal + tc.entropy_weight * entropy) / global_batch).backward()
                 sums[tc.objective] += main.item() / global_batch

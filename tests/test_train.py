@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -397,6 +398,71 @@ def test_mass_routing_takes_each_querys_groups_until_they_hold_the_mass():
     for bad in ({"entropy_weight": 0.1}, {"query_mass": 0.8, "entropy_weight": -1.0}):
         with pytest.raises(ValueError, match="entropy_weight"):
             TrainConfig(**bad)
+
+
+def test_fisher_weights_are_the_squared_gradient_of_the_sampled_log_likelihood_at_each_heads_output():
+    """``fisher_qkv``: the same q/k/v as ``teacher_qkv``, and per layer, head and row the squared norm of the gradient
+    of ``sum_t log p(y_t)`` (y drawn from the model's own output) with respect to that head's attention output,
+    checked against the gradient of a zero added to the input of the layer's output projection."""
+    model = tiny_llama().requires_grad_(False)
+    ids = windows(1, 40)
+    qkv, fisher = T.fisher_qkv(model, ids, torch.Generator().manual_seed(5))
+    teacher = T.teacher_qkv(model, ids)
+    for layer in (0, 1):
+        assert all(torch.equal(a, b) for a, b in zip(qkv[layer][:3], teacher[layer][:3], strict=True))
+    deltas = [torch.zeros(1, 40, 64, requires_grad=True) for _ in range(2)]
+    hooks = [layer.self_attn.o_proj.register_forward_pre_hook(lambda m, a, d=d: (a[0] + d,))
+             for layer, d in zip(model.model.layers, deltas, strict=True)]
+    try:
+        logp = model(input_ids=ids).logits[0].log_softmax(-1)
+    finally:
+        for h in hooks:
+            h.remove()
+    y = torch.multinomial(logp.detach().exp(), 1, generator=torch.Generator().manual_seed(5))
+    grads = torch.autograd.grad(logp.gather(-1, y).sum(), deltas)
+    for layer, g in enumerate(grads):
+        want = g[0].view(40, 4, 16).pow(2).sum(-1).T  # [Hq, L]
+        assert fisher[layer].shape == (4, 40) and want.abs().max() > 0
+        assert torch.allclose(fisher[layer], want, rtol=1e-4, atol=1e-10)
+
+
+def test_fisher_rows_are_drawn_by_weight_and_heads_weighted_by_their_share():
+    weights = torch.zeros(2, 20)
+    weights[:, 2] = 50.0  # before the window: never a row
+    weights[:, 10] = torch.tensor([3.0, 1.0])
+    weights[1, 15] = 2.0
+    cfg = FocusConfig(num_groups=4, window=4, sink_tokens=1)
+    idx, share = T.fisher_rows(weights, 3000, cfg, torch.Generator().manual_seed(0))
+    assert set(idx.tolist()) == {10, 15} and share.shape == (1, 2, 3000)
+    assert abs((idx == 10).float().mean().item() - 4 / 6) < 0.03
+    assert torch.equal(share[0, :, idx == 10].unique(dim=1), torch.tensor([[0.75], [0.25]]))
+    assert torch.equal(share[0, :, idx == 15].unique(dim=1), torch.tensor([[0.0], [1.0]]))
+
+
+def test_fisher_weighted_distill_weighs_each_head_and_row():
+    """With head weights the distill error is ``sum r |o - o^full|^2 / sum r |o^full|^2`` over heads and rows: the
+    weight on one head alone gives that head's own relative error (the unweighted loss of that head by itself),
+    a common scale changes nothing, and training with ``fisher=True`` moves the centroids of a real forward pass."""
+    torch.manual_seed(0)
+    cfg = FocusConfig(num_groups=8, query_top_k=1, window=4, sink_tokens=1, tau=0.5)
+    q, k, v, c = torch.randn(1, 4, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(2, 8, 8)
+    idx = torch.arange(4, 32)
+    for h in range(4):
+        r = torch.zeros(1, 4, len(idx))
+        r[0, h] = 1.0
+        alone, _, _ = distill_layer_loss(q[:, h:h + 1], k[:, h // 2:h // 2 + 1], v[:, h // 2:h // 2 + 1],
+                                         c[h // 2:h // 2 + 1], cfg, idx)
+        weighted, _, _ = distill_layer_loss(q, k, v, c, cfg, idx, head_weights=r)
+        assert alone > 1e-4 and torch.allclose(weighted, alone, rtol=1e-5)
+        assert torch.allclose(distill_layer_loss(q, k, v, c, cfg, idx, head_weights=7 * r)[0], alone, rtol=1e-5)
+    model = tiny_llama()
+    adapter = FocusAdapter.for_model(model, FOCUS, seed=0)
+    start = adapter.centroids.detach().clone()
+    history = train(model, adapter, windows(), TrainConfig(steps=2, batch_size=2, seq_len=48, query_samples=16,
+                                                           fisher=True), progress=False)
+    assert all(math.isfinite(h["loss"]) for h in history) and not torch.equal(adapter.centroids, start)
+    with pytest.raises(ValueError, match="fisher"):
+        TrainConfig(objective="kd", fisher=True)
 
 
 def test_with_repeats_copies_spans_far_ahead():
