@@ -6,6 +6,14 @@ the window and before the dense tail) against full attention, of the adapter's h
 summaries of :func:`benchmarks.passkey_oracle.moment_summaries` (``--summaries BLOCK:ORDER ...``), and of sliding
 windows (``--windows``).
 
+``attribution``: the same prompt with its key appended runs once with the model's own attention and a backward pass
+from the key's log-probability to every layer's attention output ``o`` (:func:`focus_flex.train.capture_qkv`); for each
+of ``--layers``, ``g . (o_focus - o)``, the first-order change of the key's log-probability that the adapter's hard
+pattern in that layer alone makes, and the share of ``|g|^2`` (the Fisher weight of the key, as
+:func:`focus_flex.train.fisher_qkv` weighs the training's rows), summed over the prompt's first 128 rows (the chat
+template and the instruction), the rows from there to the needle, the needle, the rows from the needle to the dense
+tail, and the tail (the key's own rows: dense decode, no error).
+
 ``perplexity``: perplexity of ``--eval-windows`` windows of ``--context`` tokens of the shipped held-out books with
 the queries of ``--wide-layers`` routed into ``--wide-top-k`` groups (:func:`benchmarks.passkey_oracle.wide_layers`),
 side by side with the adapter as it is; each with window-only at its density. With ``--adaptive-mass P`` their queries
@@ -30,7 +38,9 @@ from focus_flex.data import load_documents, token_windows
 from focus_flex.evaluate import evaluate, matching_window, window_mask, window_nll, window_only
 from focus_flex.models import load_model
 from focus_flex.passkey import Prompt
-from focus_flex.train import teacher_qkv
+from focus_flex.train import capture_qkv, teacher_qkv
+
+HEAD_ROWS = 128  # attribution: the prompt's first rows (the chat template and the instruction) counted apart
 
 
 def summary(text: str) -> tuple[int, int]:
@@ -59,6 +69,44 @@ def errors(model: torch.nn.Module, tokenizer, adapter: FocusAdapter, args: argpa
             outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True))
         err = [float((o - full)[:, :, rows].norm() / full[:, :, rows].norm()) for o in outs]
         print(f"{layer} | " + " | ".join(f"{e:.3f}" for e in err), flush=True)
+
+
+def attribution(model: torch.nn.Module, tokenizer, adapter: FocusAdapter, args: argparse.Namespace) -> None:
+    cell = Prompt(args.haystack, args.length, args.depth, args.key_number, args.phrasing)
+    prompt = cell.build(tokenizer, cell.key(args.seed))
+    target = tokenizer(" " + prompt.key, add_special_tokens=False).input_ids
+    ids = torch.cat([prompt.input_ids, torch.tensor(target)])
+    n, cfg = len(prompt.input_ids), adapter.config
+    outputs: dict[int, torch.Tensor] = {}
+    with capture_qkv(model, outputs) as qkv, torch.enable_grad():
+        logits = model(input_ids=ids[None], use_cache=False, logits_to_keep=len(target) + 1).logits
+        logp = logits[0, :-1].float().log_softmax(-1)  # the scores of the key's tokens
+        key_logprob = logp.gather(-1, torch.tensor(target)[:, None]).sum()
+        grads = torch.autograd.grad(key_logprob, [outputs[i] for i in args.layers])
+    start, stop = prompt.needle
+    tail = n - cfg.tail(n)
+    head = min(HEAD_ROWS, start)
+    ranges = {f"first {head}": slice(0, head), "to needle": slice(head, start), "needle": slice(start, stop),
+              "needle to tail": slice(stop, tail), "tail": slice(tail, n)}
+    print(f"key {prompt.key}: log-probability {key_logprob.item():.3f} (full attention, teacher-forced); needle "
+          f"[{start}, {stop}) of {n} tokens; per layer: first-order change of it by the adapter's pattern in that "
+          "layer alone (total, then by rows), and the rows' share of |g|^2")
+    print("layer | change | " + " | ".join(ranges) + " | " + " | ".join(f"|g|^2 {r}" for r in ranges))
+    total = 0.0
+    for layer, g in zip(args.layers, grads, strict=True):
+        q, k, v, scale = (t[:, :, :n] if torch.is_tensor(t) else t for t in qkv[layer])
+        with torch.no_grad():
+            full = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            focus = focus_flex.adapter.reference_attention(q, k, v, adapter.centroids.detach()[adapter.slot[layer]],
+                                                           cfg, scale=scale)
+        g = g[0, :n].transpose(0, 1)  # [Hq, n, D]
+        change = (g * (focus - full)[0]).sum((0, 2))  # [n]
+        weight = g.pow(2).sum((0, 2))
+        total += change.sum().item()
+        print(f"{layer} | {change.sum().item():+.3f} | " + " | ".join(f"{change[r].sum().item():+.3f}" for r in
+              ranges.values()) + " | " + " | ".join(f"{weight[r].sum().item() / weight.sum().item():.3f}"
+                                                    for r in ranges.values()), flush=True)
+    print(f"sum over these layers: {total:+.3f}")
 
 
 def perplexity(model: torch.nn.Module, tokenizer, adapter: FocusAdapter, args: argparse.Namespace) -> None:
@@ -96,7 +144,7 @@ def adaptive_perplexity(model: torch.nn.Module, adapter: FocusAdapter, windows: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("task", choices=["errors", "perplexity"])
+    parser.add_argument("task", choices=["errors", "attribution", "perplexity"])
     parser.add_argument("--adapter", default="hub/smollm2-135m-instruct-focus")
     parser.add_argument("--haystack", choices=["filler", "prose"], default="filler")
     parser.add_argument("--phrasing", choices=["passkey", "ruler"], default="passkey")
@@ -121,7 +169,7 @@ def main() -> None:
     model, tokenizer = load_model()
     model.eval()
     adapter = FocusAdapter.from_pretrained(args.adapter)
-    (errors if args.task == "errors" else perplexity)(model, tokenizer, adapter, args)
+    {"errors": errors, "attribution": attribution, "perplexity": perplexity}[args.task](model, tokenizer, adapter, args)
 
 
 if __name__ == "__main__":
