@@ -1,4 +1,4 @@
-"""``python -m benchmarks.lower_layers``: what the lower layers' far context needs (docs/passkey.md, point 48).
+"""``python -m benchmarks.lower_layers``: what the lower layers' far context needs (docs/passkey.md, points 48 and 51).
 
 ``errors``: one passkey prompt (``--haystack``, ``--length``, ``--depth``, ``--key-number``) runs once with the
 model's own attention; for each of ``--layers`` the relative error of the attention output (all heads; the rows past
