@@ -38,7 +38,7 @@ from focus_flex.data import load_documents, token_windows
 from focus_flex.evaluate import evaluate, matching_window, window_mask, window_nll, window_only
 from focus_flex.models import load_model
 from focus_flex.passkey import Prompt
-from focus_flex.train import capture_qkv, teacher_qkv
+from focus_flex.train import capture_qkv, centerings, teacher_qkv
 
 HEAD_ROWS = 128  # attribution: the prompt's first rows (the chat template and the instruction) counted apart
 
@@ -56,14 +56,16 @@ def errors(model: torch.nn.Module, tokenizer, adapter: FocusAdapter, args: argpa
     rows = slice(cfg.window + cfg.sink_tokens, n - cfg.tail(n))
     names = ["focus", *(f"summaries {b}:{o}" for b, o in args.summaries), *(f"window {w}" for w in args.windows)]
     print("layer | " + " | ".join(names))
+    cents = centerings(adapter, model)
     for layer in args.layers:
         q, k, v, scale = qkv[layer]
         full = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        centroids = adapter.centroids.detach()[adapter.slot[layer]]
-        outs = [focus_flex.adapter.reference_attention(q, k, v, centroids, cfg, scale=scale)]
+        centroids, centering = adapter.centroids.detach()[adapter.slot[layer]], cents.get(adapter.slot[layer])
+        outs = [focus_flex.adapter.reference_attention(q, k, v, centroids, cfg, scale=scale, centering=centering)]
         for block, order in args.summaries:
             with moment_summaries(block, order):  # it patches focus_flex.adapter's reference_attention
-                outs.append(focus_flex.adapter.reference_attention(q, k, v, centroids, cfg, scale=scale))
+                outs.append(focus_flex.adapter.reference_attention(q, k, v, centroids, cfg, scale=scale,
+                                                                   centering=centering))
         for w in args.windows:
             mask = window_mask(n, n, w, cfg.sink_tokens)
             outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True))
@@ -71,42 +73,53 @@ def errors(model: torch.nn.Module, tokenizer, adapter: FocusAdapter, args: argpa
         print(f"{layer} | " + " | ".join(f"{e:.3f}" for e in err), flush=True)
 
 
+def layer_changes(model: torch.nn.Module, adapter: FocusAdapter, ids: torch.Tensor, target: list[int],
+                  layers: list[int]) -> tuple[float, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """The log-probability of ``target`` after the prompt ``ids [n]`` under the model's own attention, and for each
+    of ``layers`` per row ``[n]``: the first-order change of it that the adapter's hard pattern in that layer alone
+    makes, ``g . (o_focus - o)`` summed over the heads (``o``: the layer's attention output, ``g``: the gradient of the
+    log-probability with respect to it), and the squared norm of ``g`` (the target's Fisher weight of the row)."""
+    n = len(ids)
+    outputs: dict[int, torch.Tensor] = {}
+    with capture_qkv(model, outputs) as qkv, torch.enable_grad():
+        seq = torch.cat([ids, torch.tensor(target)])[None]
+        logits = model(input_ids=seq, use_cache=False, logits_to_keep=len(target) + 1).logits
+        logp = logits[0, :-1].float().log_softmax(-1)  # the scores of the target's tokens
+        total = logp.gather(-1, torch.tensor(target)[:, None]).sum()
+        grads = torch.autograd.grad(total, [outputs[i] for i in layers])
+    out, cents = {}, centerings(adapter, model)
+    for layer, g in zip(layers, grads, strict=True):
+        q, k, v, scale = (t[:, :, :n] if torch.is_tensor(t) else t for t in qkv[layer])
+        with torch.no_grad():
+            full = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            focus = focus_flex.adapter.reference_attention(q, k, v, adapter.centroids.detach()[adapter.slot[layer]],
+                                                           adapter.config, scale=scale,
+                                                           centering=cents.get(adapter.slot[layer]))
+        g = g[0, :n].transpose(0, 1)  # [Hq, n, D]
+        out[layer] = ((g * (focus - full)[0]).sum((0, 2)), g.pow(2).sum((0, 2)))
+    return total.item(), out
+
+
 def attribution(model: torch.nn.Module, tokenizer, adapter: FocusAdapter, args: argparse.Namespace) -> None:
     cell = Prompt(args.haystack, args.length, args.depth, args.key_number, args.phrasing)
     prompt = cell.build(tokenizer, cell.key(args.seed))
     target = tokenizer(" " + prompt.key, add_special_tokens=False).input_ids
-    ids = torch.cat([prompt.input_ids, torch.tensor(target)])
     n, cfg = len(prompt.input_ids), adapter.config
-    outputs: dict[int, torch.Tensor] = {}
-    with capture_qkv(model, outputs) as qkv, torch.enable_grad():
-        logits = model(input_ids=ids[None], use_cache=False, logits_to_keep=len(target) + 1).logits
-        logp = logits[0, :-1].float().log_softmax(-1)  # the scores of the key's tokens
-        key_logprob = logp.gather(-1, torch.tensor(target)[:, None]).sum()
-        grads = torch.autograd.grad(key_logprob, [outputs[i] for i in args.layers])
+    key_logprob, changes = layer_changes(model, adapter, prompt.input_ids, target, args.layers)
     start, stop = prompt.needle
     tail = n - cfg.tail(n)
     head = min(HEAD_ROWS, start)
     ranges = {f"first {head}": slice(0, head), "to needle": slice(head, start), "needle": slice(start, stop),
               "needle to tail": slice(stop, tail), "tail": slice(tail, n)}
-    print(f"key {prompt.key}: log-probability {key_logprob.item():.3f} (full attention, teacher-forced); needle "
+    print(f"key {prompt.key}: log-probability {key_logprob:.3f} (full attention, teacher-forced); needle "
           f"[{start}, {stop}) of {n} tokens; per layer: first-order change of it by the adapter's pattern in that "
           "layer alone (total, then by rows), and the rows' share of |g|^2")
     print("layer | change | " + " | ".join(ranges) + " | " + " | ".join(f"|g|^2 {r}" for r in ranges))
-    total = 0.0
-    for layer, g in zip(args.layers, grads, strict=True):
-        q, k, v, scale = (t[:, :, :n] if torch.is_tensor(t) else t for t in qkv[layer])
-        with torch.no_grad():
-            full = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-            focus = focus_flex.adapter.reference_attention(q, k, v, adapter.centroids.detach()[adapter.slot[layer]],
-                                                           cfg, scale=scale)
-        g = g[0, :n].transpose(0, 1)  # [Hq, n, D]
-        change = (g * (focus - full)[0]).sum((0, 2))  # [n]
-        weight = g.pow(2).sum((0, 2))
-        total += change.sum().item()
+    for layer, (change, weight) in changes.items():
         print(f"{layer} | {change.sum().item():+.3f} | " + " | ".join(f"{change[r].sum().item():+.3f}" for r in
               ranges.values()) + " | " + " | ".join(f"{weight[r].sum().item() / weight.sum().item():.3f}"
                                                     for r in ranges.values()), flush=True)
-    print(f"sum over these layers: {total:+.3f}")
+    print(f"sum over these layers: {sum(c.sum().item() for c, _ in changes.values()):+.3f}")
 
 
 def perplexity(model: torch.nn.Module, tokenizer, adapter: FocusAdapter, args: argparse.Namespace) -> None:

@@ -622,3 +622,62 @@ def test_passkey_oracle_moment_summaries_of_single_keys_are_full_attention():
     assert torch.allclose(out[:, :, 90:], full[:, :, 90:], atol=1e-5)  # the dense tail: no summaries
     with pytest.raises(ValueError, match="order 0, 1 or 2; got 3"), moment_summaries(16, 3):
         pass
+
+
+def test_lower_layers_attribution_is_the_first_order_change_of_the_keys_logprob(smollm2):
+    """``lower_layers attribution`` (:func:`benchmarks.lower_layers.layer_changes`) on the embedded model and the
+    published adapter: a layer's first-order change equals the central difference of the target's log-probability
+    when a multiple of (the adapter's output in that layer alone - the model's own) is added to that layer's
+    attention output in the model's forward pass; the adapter's output taken from the adapter's own path
+    (``passkey_oracle --layers``), in an uncentered layer and a centered one."""
+    import torch
+
+    from benchmarks.lower_layers import layer_changes
+    from benchmarks.passkey_oracle import layer_subset
+    from focus_flex import FocusAdapter
+    from focus_flex.data import load_documents
+    from focus_flex.train import centerings
+
+    model, tokenizer = smollm2
+    adapter = FocusAdapter.from_pretrained("hub/smollm2-135m-instruct-focus")
+    adapter.config.dense_tail = 0  # the prompt's rows and the target's: one Focus prefill in the reference run
+    ids = torch.tensor(tokenizer(load_documents(None, "eval")[0]).input_ids[:700])
+    target = tokenizer(" 71432", add_special_tokens=False).input_ids
+    seq, n = torch.cat([ids, torch.tensor(target)])[None], len(ids)
+    layers = [2, 20]
+    cents = centerings(adapter, model)
+    assert cents[adapter.slot[2]] is None and cents[adapter.slot[20]] is not None  # uncentered, centered
+    base, changes = layer_changes(model, adapter, ids, target, layers)
+
+    def attention_input(layer: int, attached: FocusAdapter | None) -> torch.Tensor:
+        seen = []
+        hook = model.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+        try:
+            if attached is not None:
+                attached.attach(model)
+            with torch.no_grad():
+                model(seq)
+        finally:
+            hook.remove()
+            if attached is not None:
+                attached.detach(model)
+        return seen[0]
+
+    def target_logprob(layer: int, delta: torch.Tensor) -> float:
+        hook = model.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(lambda m, a: (a[0] + delta,))
+        try:
+            with torch.no_grad():
+                logp = model(seq).logits[0, n - 1:-1].float().log_softmax(-1)
+        finally:
+            hook.remove()
+        return logp.gather(-1, torch.tensor(target)[:, None]).sum().item()
+
+    for layer in layers:
+        delta = attention_input(layer, layer_subset(adapter, [layer])) - attention_input(layer, None)
+        delta[:, n:] = 0  # the target's own rows: dense decode
+        eps = 0.05
+        numeric = (target_logprob(layer, eps * delta) - target_logprob(layer, -eps * delta)) / (2 * eps)
+        change, weight = changes[layer]
+        assert change.shape == weight.shape == (n,) and abs(numeric) > 1e-3, (layer, numeric)
+        assert abs(change.sum().item() - numeric) < 0.05 * abs(numeric) + 2e-3, (layer, change.sum().item(), numeric)
+    assert abs(base - target_logprob(2, torch.zeros(1))) < 1e-3
