@@ -34,6 +34,11 @@ Groups by probability mass (``query_mass``, distill): a query's soft top-k takes
 that much of its routing probability, so the queries whose routing hesitates get more groups. Flatter routing then
 buys more groups at no cost in the loss; ``entropy_weight`` x the queries' mean routing entropy prices it.
 
+Rows by Fisher weight (``fisher``, distill): one backward pass of the frozen model per sequence (:func:`fisher_qkv`)
+weighs every head and row of every layer by how much the model's output depends on its attention output; each
+layer's rows are drawn in proportion (:func:`fisher_rows`, instead of at random and the copies' rows) and the error
+is the weighted sum over heads and rows.
+
 Data parallelism: when ``torch.distributed`` is initialised (``torchrun``, ``accelerate launch``;
 :func:`init_distributed`), rank r takes sequences ``r, r + W, ...`` of each global batch, every sequence's
 loss is divided by the global batch size and centroid gradients are summed with ``all_reduce``, so W
