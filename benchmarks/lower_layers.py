@@ -48,6 +48,14 @@ def summary(text: str) -> tuple[int, int]:
     return int(block), int(order)
 
 
+def focus_output(adapter: FocusAdapter, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: float | None, centerings_: dict) -> torch.Tensor:
+    """A layer's attention output ``[B, Hq, L, D]`` under the adapter's hard pattern (its centering included)."""
+    slot = adapter.slot[layer]
+    return focus_flex.adapter.reference_attention(q, k, v, adapter.centroids.detach()[slot], adapter.config,
+                                                  scale=scale, centering=centerings_.get(slot))
+
+
 def errors(model: torch.nn.Module, tokenizer, adapter: FocusAdapter, args: argparse.Namespace) -> None:
     cell = Prompt(args.haystack, args.length, args.depth, args.key_number, args.phrasing)
     ids = cell.build(tokenizer, cell.key(args.seed)).input_ids
@@ -60,12 +68,10 @@ def errors(model: torch.nn.Module, tokenizer, adapter: FocusAdapter, args: argpa
     for layer in args.layers:
         q, k, v, scale = qkv[layer]
         full = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        centroids, centering = adapter.centroids.detach()[adapter.slot[layer]], cents.get(adapter.slot[layer])
-        outs = [focus_flex.adapter.reference_attention(q, k, v, centroids, cfg, scale=scale, centering=centering)]
+        outs = [focus_output(adapter, layer, q, k, v, scale, cents)]
         for block, order in args.summaries:
             with moment_summaries(block, order):  # it patches focus_flex.adapter's reference_attention
-                outs.append(focus_flex.adapter.reference_attention(q, k, v, centroids, cfg, scale=scale,
-                                                                   centering=centering))
+                outs.append(focus_output(adapter, layer, q, k, v, scale, cents))
         for w in args.windows:
             mask = window_mask(n, n, w, cfg.sink_tokens)
             outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True))
@@ -92,9 +98,7 @@ def layer_changes(model: torch.nn.Module, adapter: FocusAdapter, ids: torch.Tens
         q, k, v, scale = (t[:, :, :n] if torch.is_tensor(t) else t for t in qkv[layer])
         with torch.no_grad():
             full = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-            focus = focus_flex.adapter.reference_attention(q, k, v, adapter.centroids.detach()[adapter.slot[layer]],
-                                                           adapter.config, scale=scale,
-                                                           centering=cents.get(adapter.slot[layer]))
+            focus = focus_output(adapter, layer, q, k, v, scale, cents)
         g = g[0, :n].transpose(0, 1)  # [Hq, n, D]
         out[layer] = ((g * (focus - full)[0]).sum((0, 2)), g.pow(2).sum((0, 2)))
     return total.item(), out

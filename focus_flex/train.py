@@ -412,10 +412,14 @@ def hard_fidelity(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: 
     return (p * keep).sum(-1).mean(-1), output_error(p, keep, vv, p @ vv)
 
 
+def first_far_row(n: int, config: FocusConfig) -> int:
+    """The first of ``n`` query positions that has far keys (``window``; the last position if n <= window)."""
+    return min(config.window, n - 1)
+
+
 def query_positions(n: int, count: int, config: FocusConfig, generator: torch.Generator) -> torch.Tensor:
-    """``count`` random query positions that have far keys (``>= window``; all positions if n <= window)."""
-    low = min(config.window, n - 1)
-    return torch.randint(low, n, (count,), generator=generator)
+    """``count`` random query positions that have far keys (:func:`first_far_row` on)."""
+    return torch.randint(first_far_row(n, config), n, (count,), generator=generator)
 
 
 def fisher_rows(weights: torch.Tensor, count: int, config: FocusConfig,
@@ -423,7 +427,7 @@ def fisher_rows(weights: torch.Tensor, count: int, config: FocusConfig,
     """``count`` query positions that have far keys, drawn with replacement in proportion to their Fisher weight
     summed over the heads (``weights [Hq, L]``, :func:`fisher_qkv`), and each head's share of it ``[1, Hq, count]``:
     with these shares as head weights, the sampled error estimates the Fisher-weighted error of every row."""
-    low = min(config.window, weights.shape[1] - 1)
+    low = first_far_row(weights.shape[1], config)
     row = weights[:, low:].sum(0).cpu()
     idx = low + torch.multinomial(row / row.sum(), count, replacement=True, generator=generator)
     share = weights[:, idx.to(weights.device)] / row[idx - low].to(weights).clamp_min(1e-30)
