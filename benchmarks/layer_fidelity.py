@@ -35,8 +35,8 @@ def layer_fidelity(model: torch.nn.Module, adapter: FocusAdapter, qkv: QKV,
     out = {}
     for layer, slot in adapter.slot.items():
         q, k, v, scale = qkv[layer]
-        kept, error = hard_fidelity(q, k, v, adapter.centroids.detach()[slot], adapter.config, query_idx, scale,
-                                    centering.get(slot))
+        kept, error = hard_fidelity(q, k, v, adapter.centroids.detach()[slot], adapter.config.at(layer), query_idx,
+                                    scale, centering.get(slot))
         p, near, future = _attention_rows(q, k, adapter.config, query_idx, scale)
         far = (p * ~(near | future)).sum(-1).mean(-1)
         out[layer] = torch.stack([kept[0], error[0], far[0]])

@@ -41,18 +41,19 @@ A variant that recovers the keys says which queries lose them. ``--layers`` keep
 others attend fully): which layers' patterns lose them; ``--dense-heads L.H ...`` sets the adapter's
 ``FocusConfig.dense_heads`` (KV head H of layer L attends fully): which heads' patterns lose them; ``--dense-rows A B``
 makes the prompt's queries at positions ``[A, B)`` attend fully in every layer, on any path: whose rows lose them;
-``--wide-layers L ... --wide-top-k Q K`` routes those layers' queries into Q groups and keys into K: whether more
-groups there are enough; ``--adaptive-layers L ... --adaptive-mass P`` gives each of those layers' queries its
-likeliest groups until they hold P of its routing probability (at most ``--adaptive-most``; keys keep the adapter's
-``key_top_k``), on the reference path: whether the extra groups are needed only where routing is unsure.
+``--wide-layers L ... --wide-top-k Q K`` sets the adapter's ``FocusConfig.layer_top_k`` (those layers route their
+queries into Q groups and keys into K): whether more groups there are enough; ``--adaptive-layers L ...
+--adaptive-mass P`` gives each of those layers' queries its likeliest groups until they hold P of its routing
+probability (at most ``--adaptive-most``; keys keep the adapter's ``key_top_k``), on the reference path: whether the
+extra groups are needed only where routing is unsure.
 Each answer is printed with the key's log-probability (all its tokens; its first, the space before the digits) and
 the density of the adapter's hard pattern on its prefill (the Focus layers' causal pairs, dense heads and tail
 counted, the adaptive layers' added pairs too, a variant's extra pairs not). ``--dense-tail N`` sets the adapter's
 ``FocusConfig.dense_tail`` (the prompt's last N queries attend every token) and ``--dense-decode`` /
 ``--no-dense-decode`` its ``FocusConfig.dense_decode`` in every variant but ``decode`` (default: the adapter's own).
 Nothing here changes the library: the extra pairs are added by wrapping
-:func:`focus_flex.attention.reference_attention` (dense rows and wide layers: :class:`focus_flex.FocusAdapter`'s
-forward) for the duration of the run.
+:func:`focus_flex.attention.reference_attention` (dense rows: :class:`focus_flex.FocusAdapter`'s forward) for the
+duration of the run.
 """
 
 from __future__ import annotations
@@ -60,7 +61,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -358,17 +358,6 @@ def dense_rows(start: int, stop: int):
 
 
 @contextlib.contextmanager
-def wide_layers(layers: list[int], query_top_k: int, key_top_k: int):
-    """The Focus layers ``layers`` route queries into ``query_top_k`` groups and keys into ``key_top_k`` (the others
-    keep the adapter's), on whichever path the adapter runs; the adapter's forward hooks (a routing meter) see the
-    same."""
-
-    with in_layers(layers, lambda a: ("config", dataclasses.replace(a.config, query_top_k=query_top_k,
-                                                                    key_top_k=key_top_k))):
-        yield
-
-
-@contextlib.contextmanager
 def in_layers(layers: list[int], change: Callable[[FocusAdapter], tuple[str, object]]):
     """While active, the adapter runs the Focus layers ``layers`` with its attribute ``name`` set to ``value``
     (``change(adapter)`` gives both), restored after each call; the other layers as they are."""
@@ -514,6 +503,8 @@ def main() -> None:
         adapter.config.dense_tail = args.dense_tail
     if args.dense_heads is not None:
         adapter.config.dense_heads = args.dense_heads
+    if args.wide_layers:
+        adapter.config.layer_top_k = [[layer, *args.wide_top_k] for layer in args.wide_layers]
     solved = [r for r in load_passkey(args.full_results) if r.mode == "full" and r.correct and r.length in args.lengths
               and (args.depths is None or r.depth in args.depths)
               and (args.key_numbers is None or r.key_number in args.key_numbers)
@@ -540,7 +531,6 @@ def main() -> None:
                 with extra_pairs(variant, len(prompt.input_ids), prompt.needle, args.tail, stats,
                                  args.best_density, args.oracle_layers, (args.moment_block, args.moment_order)), \
                         dense_rows(*(args.dense_rows or (0, 0))), \
-                        wide_layers(args.wide_layers, *(args.wide_top_k or (0, 0))), \
                         adaptive_layers(args.adaptive_layers, args.adaptive_mass, args.adaptive_most, adaptive):
                     answer, logprobs = answer_key(model, tokenizer, prompt.input_ids, r.key)
             finally:

@@ -155,6 +155,7 @@ class FocusAdapter(nn.Module):
         self._attached: list[tuple[weakref.ref, list]] = []  # (model, its hooks)
         self._active_cache: weakref.ref | None = None
         self._key_index: dict[int, _Indexed] = {}  # slot -> the key routing of the active cache's layer
+        self._configs: tuple[str, list[FocusConfig]] = ("", [])  # (config's fingerprint, its layers' configurations)
 
     @property
     def mode(self) -> str:
@@ -333,8 +334,21 @@ class FocusAdapter(nn.Module):
             raise ValueError(f"adapter.config describes centroids {shape} on layers {c.layers}, but the adapter holds "
                              f"{tuple(self.centroids.shape)} on layers {list(self.slot)}: on an adapter only the "
                              "routing may change (query_top_k, key_top_k, window, sink_tokens, tau, dense_decode, "
-                             "dense_tail, dense_heads); for other groups, layers or centering build a new one "
-                             "(FocusAdapter.for_model).")
+                             "dense_tail, dense_heads, layer_top_k); for other groups, layers or centering build a "
+                             "new one (FocusAdapter.for_model).")
+
+    def layer_config(self, slot: int) -> FocusConfig:
+        """The configuration the layer in ``slot`` runs with (``config.at``). Layers with their own top-k get copies,
+        made again only when ``adapter.config`` changes: the same objects from an eager forward to the compiled steps
+        after it, which therefore do not recompile."""
+        c = self.config
+        if not c.layer_top_k:
+            return c
+        if not torch.compiler.is_compiling():
+            fingerprint = repr([v for f, v in vars(c).items() if f != "extra"])
+            if fingerprint != self._configs[0]:
+                self._configs = (fingerprint, [c.at(layer) for layer in c.layers])
+        return self._configs[1][slot]
 
     def _exit(self, module, args, output):
         self._active_cache = None
@@ -368,7 +382,7 @@ class FocusAdapter(nn.Module):
         cache = self._active_cache() if self._active_cache is not None else None
         if cache is None:
             return None
-        cent, c, centering = self.centroids[slot].detach(), self.config, self.centering(slot)
+        cent, c, centering = self.centroids[slot].detach(), self.layer_config(slot), self.centering(slot)
         routed_by = (c.num_groups, c.key_top_k, _version(self.centroids), c.centers(c.layers[slot]),
                      None if self.key_means is None else _version(self.key_means))
         entry = self._key_index.get(slot)
@@ -399,7 +413,7 @@ class FocusAdapter(nn.Module):
                            value: torch.Tensor, padding: torch.Tensor | None, scaling: float | None,
                            cache_layer: object) -> torch.Tensor:
         """:meth:`forward` on the path ``mode`` chooses, before the dense heads."""
-        cent, c, centering = self.centroids[slot], self.config, self.centering(slot)
+        cent, c, centering = self.centroids[slot], self.layer_config(slot), self.centering(slot)
         focus_layer = getattr(cache_layer, "focus_attention", None) is not None
         if type(cache_layer).__name__ == "StaticLayer":
             raise ValueError("A static KV cache reached Focus attention without its Focus state: a static cache's "

@@ -357,7 +357,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         _check_modes(args.modes)
     for flag, field in (("--query-top-k", "query_top_k"), ("--key-top-k", "key_top_k"), ("--window", "window"),
                         ("--sinks", "sink_tokens"), ("--dense-decode", "dense_decode"),
-                        ("--dense-tail", "dense_tail"), ("--dense-heads", "dense_heads")):
+                        ("--dense-tail", "dense_tail"), ("--dense-heads", "dense_heads"),
+                        ("--layer-top-k", "layer_top_k")):
         value = getattr(args, field)
         if value is not None:
             setattr(adapter.config, field, value)
@@ -367,7 +368,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 hint = {"window": "choose a window >= 1 token", "sink_tokens": "choose 0 or more sink tokens",
                         "dense_tail": "choose 0 or more queries",
                         "dense_heads": f"name Focus layers {adapter.config.layers} and KV heads below "
-                                       f"{adapter.config.num_kv_heads}"}.get(
+                                       f"{adapter.config.num_kv_heads}",
+                        "layer_top_k": f"name each of the Focus layers {adapter.config.layers} once, with top-k 1 to "
+                                       f"{adapter.config.num_groups}"}.get(
                     field, f"the adapter has {adapter.config.num_groups} groups per KV head; choose 1 to "
                            f"{adapter.config.num_groups}")
                 raise CliError(f"{flag} {value}: {hint} ({e}).") from e
@@ -439,7 +442,7 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
     meta = {"command": command, "adapter": args.adapter, "focus_config": adapter.config.to_dict(),
             "cpu": _cpu_name()}
     protocol = passkey_protocol(args.dtype, adapter.config.dense_decode, adapter.config.dense_tail,
-                                adapter.config.dense_heads, args.phrasings)
+                                adapter.config.dense_heads, args.phrasings, adapter.config.layer_top_k)
     paths = save_passkey(out, results, meta, protocol)
     # The evaluated copy of the adapter: its card shows the retrieval table and heatmaps next to its perplexity.
     extra = adapter.config.extra
@@ -615,6 +618,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--dense-heads", type=layer_head, nargs="*", default=None, metavar="LAYER.KV_HEAD",
                    help="KV heads whose query heads attend every earlier token, e.g. 4.0 5.0 6.0 (default: the "
                         "adapter's; with none given: no dense heads; docs/passkey.md)")
+    k.add_argument("--layer-top-k", type=layer_top_k, nargs="*", default=None, metavar="LAYER:Q:K",
+                   help="Focus layers that route their queries into Q groups and keys into K, e.g. 0:32:4 2:32:4 "
+                        "(default: the adapter's; with none given: every layer the same; docs/passkey.md)")
     e.add_argument("--task", choices=["perplexity", "passkey"], default="perplexity",
                    help="perplexity on held-out text (default), or passkey retrieval (docs/passkey.md)")
     pk = e.add_argument_group("passkey retrieval (--task passkey)")
@@ -645,6 +651,15 @@ def layer_head(text: str) -> list[int]:
     if not (layer.isdigit() and head.isdigit()):
         raise argparse.ArgumentTypeError(f"{text!r}: expected LAYER.KV_HEAD, e.g. 4.0 (KV head 0 of layer 4)")
     return [int(layer), int(head)]
+
+
+def layer_top_k(text: str) -> list[int]:
+    """``"0:32:4"`` -> ``[0, 32, 4]``: a ``LAYER:Q:K`` argument (``FocusConfig.layer_top_k``)."""
+    parts = text.split(":")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LAYER:Q:K, e.g. 0:32:4 (layer 0 routes each query into "
+                                         "32 groups and each key into 4)")
+    return [int(p) for p in parts]
 
 
 def keep_freed_memory() -> bool:

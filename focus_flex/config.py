@@ -47,7 +47,9 @@ class FocusConfig:
     ``dense_tail`` N, the last N queries of a prefill (a forward of more than ``DECODE_MAX_QUERIES`` queries) attend
     every earlier key: the question at the end of a long prompt reads all of it. With ``dense_heads``, the query
     heads of the KV heads listed as ``[layer, kv_head]`` attend every earlier key: heads whose far attention the
-    groups cannot carry (docs/passkey.md, point 20).
+    groups cannot carry (docs/passkey.md, point 20). With ``layer_top_k``, the layers listed as
+    ``[layer, query_top_k, key_top_k]`` route with their own top-k (:meth:`at` gives a layer's configuration): layers
+    whose far attention needs more groups than the others' (docs/passkey.md, point 53).
     """
 
     num_groups: int = 16
@@ -63,6 +65,7 @@ class FocusConfig:
     dense_decode: bool = False  # forwards of at most 16 queries (decode steps) attend every earlier key
     dense_tail: int = 0  # the last this many queries of a prefill attend every earlier key
     dense_heads: list[list[int]] = field(default_factory=list)  # [layer, kv_head]: its query heads attend fully
+    layer_top_k: list[list[int]] = field(default_factory=list)  # [layer, query_top_k, key_top_k]: that layer's top-k
     # Shape of the model the centroids belong to (filled in by `FocusAdapter.for_model`).
     num_layers: int | None = None
     num_kv_heads: int | None = None
@@ -132,10 +135,29 @@ class FocusConfig:
         if self.num_kv_heads is not None:
             need(all(b < self.num_kv_heads for _, b in self.dense_heads),
                  f"dense_heads={self.dense_heads} names KV heads >= num_kv_heads={self.num_kv_heads}")
+        need(isinstance(self.layer_top_k, (list, tuple)) and all(
+            isinstance(t, (list, tuple)) and len(t) == 3 and all(is_int(i) for i in t) and t[0] >= 0
+            and 1 <= t[1] <= self.num_groups and 1 <= t[2] <= self.num_groups for t in self.layer_top_k),
+             f"layer_top_k={self.layer_top_k!r} must be a list of [layer, query_top_k, key_top_k], each top-k an int "
+             f"in [1, num_groups={self.num_groups}]")
+        self.layer_top_k = [list(t) for t in sorted({tuple(t) for t in self.layer_top_k})]
+        named = [t[0] for t in self.layer_top_k]
+        need(len(named) == len(set(named)), f"layer_top_k={self.layer_top_k} names a layer twice")
+        if self.layers is not None:
+            need(set(named) <= set(self.layers),
+                 f"layer_top_k={self.layer_top_k} names layers that are not Focus layers (layers={self.layers})")
 
     def tail(self, lq: int) -> int:
         """How many of a forward's ``lq`` queries attend densely as the prefill's tail (:func:`tail_queries`)."""
         return tail_queries(self.dense_tail, lq)
+
+    def at(self, layer: int) -> FocusConfig:
+        """The configuration Focus layer ``layer`` runs with: this one, or a copy with that layer's own
+        ``query_top_k`` and ``key_top_k`` (``layer_top_k``)."""
+        for a, q, k in self.layer_top_k:
+            if a == layer:
+                return dataclasses.replace(self, query_top_k=q, key_top_k=k, layer_top_k=[])
+        return self
 
     def dense_kv_heads(self, layer: int) -> list[int]:
         """The KV heads of Focus layer ``layer`` whose query heads attend every earlier key (``dense_heads``)."""

@@ -77,6 +77,9 @@ def matching_window(n: int, sinks: int, density: float, tail: int = 0) -> int:
     return lo
 
 
+DIAGONAL_COUNTING = 256  # distinct query bitmasks above which far pairs are counted by diagonals, not FFTs
+
+
 def far_pairs_by_distance(q_member: torch.Tensor, k_member: torch.Tensor, sinks: int) -> torch.Tensor:
     """Group-sharing pairs of one unpadded prefill at each distance, per query head ``[B, Hq, N]`` (float64).
 
@@ -85,6 +88,8 @@ def far_pairs_by_distance(q_member: torch.Tensor, k_member: torch.Tensor, sinks:
     q_member ``[B, Hq, N]`` and k_member ``[B, Hkv, N]`` are int64 group bitmasks (:func:`routing.hard_membership`).
     Per distinct query bitmask, the cross-correlation (FFT) of the positions of the queries that have it with the
     positions of the keys that share a group with it: O(U N log N) for U distinct query bitmasks (U <= G at top-1).
+    Where queries join many groups nearly every bitmask is distinct (U ~ N): there the pairs are counted diagonal by
+    diagonal, O(N^2) cheap vector operations.
     """
     (b, hq, n), hkv = q_member.shape, k_member.shape[1]
     rep, size = hq // hkv, 2 * n  # zero-padded to 2N: no wrap-around
@@ -93,7 +98,12 @@ def far_pairs_by_distance(q_member: torch.Tensor, k_member: torch.Tensor, sinks:
     keys[..., :sinks] = 0  # sinks are attended anyway: not far pairs
     for bi in range(b):
         for h in range(hkv):  # the query heads of a KV head together: each key spectrum is computed once
-            values, inverse = torch.unique(q_member[bi, h * rep:(h + 1) * rep].cpu(), return_inverse=True)
+            own = q_member[bi, h * rep:(h + 1) * rep].cpu()
+            values, inverse = torch.unique(own, return_inverse=True)
+            if len(values) > DIAGONAL_COUNTING:
+                for d in range(n):
+                    out[bi, h * rep:(h + 1) * rep, d] = ((own[:, d:] & keys[bi, h, :n - d]) != 0).sum(-1)
+                continue
             spectrum = torch.zeros(rep, n + 1, dtype=torch.complex128)
             for s in range(0, len(values), 64):  # [rep, 64, N] indicators at a time
                 v = values[s:s + 64]
@@ -212,7 +222,7 @@ class RoutingMeter:
     @torch.no_grad()
     def __call__(self, adapter: FocusAdapter, args: tuple, output: Any) -> None:
         _, slot, query, key, _, padding = args[:6]
-        c, cfg = adapter.centroids[slot].detach(), adapter.config
+        c, cfg = adapter.centroids[slot].detach(), adapter.layer_config(slot)
         query, key = adapter.routed(slot, query, key, padding)
         qm = routing.hard_membership(query, c, cfg.query_top_k)
         km = routing.hard_membership(key, c, cfg.key_top_k)
@@ -308,7 +318,8 @@ def _evaluate_modes(model: nn.Module, adapter: FocusAdapter, windows: torch.Tens
             run("full", 1.0, None, "the model's own attention")
         elif mode == "focus":
             kernel = default_kernel(next(model.parameters()).device, cfg)
-            routed = f"queries top-{cfg.query_top_k}, keys top-{cfg.key_top_k}"
+            routed = f"queries top-{cfg.query_top_k}, keys top-{cfg.key_top_k}" + "".join(
+                f"; layer {a}: {q}, {k}" for a, q, k in cfg.layer_top_k)
             dense = f", KV heads {' '.join(f'{a}.{b}' for a, b in cfg.dense_heads)} dense" if cfg.dense_heads else ""
             run("focus", None, None, f"hard routing ({routed}{dense}), fast path ({kernel} kernel)", adapter)
         elif mode == "soft":

@@ -363,8 +363,8 @@ def check_base_model(adapter_base: str | None, model_name: str | None) -> None:
 _LICENSES = (("smollm2", "apache-2.0"), ("gemma", "gemma"))
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _CARD_FIELDS = ("num_groups", "query_top_k", "key_top_k", "window", "sink_tokens", "tau", "block_size",
-                "layers", "sinkhorn_iters", "center", "dense_decode", "dense_tail", "dense_heads", "num_layers",
-                "num_kv_heads", "head_dim", "base_model", "base_model_revision", "model_type")
+                "layers", "sinkhorn_iters", "center", "dense_decode", "dense_tail", "dense_heads", "layer_top_k",
+                "num_layers", "num_kv_heads", "head_dim", "base_model", "base_model_revision", "model_type")
 
 
 def _license_for(base_model: str | None, model_type: str | None) -> str | None:

@@ -436,6 +436,7 @@ class KeyAttention:
     shared: torch.Tensor  # fraction of (answer query, key token) pairs whose groups intersect
     query_groups: torch.Tensor  # [layers, Hq, answer queries, query_top_k] groups of the answer's queries
     key_groups: torch.Tensor  # [layers, Hkv, key tokens, key_top_k] groups of the key tokens
+    # (top-k: the largest of the layers' (``FocusConfig.at``); -1 after a layer's own groups)
 
 
 @torch.no_grad()
@@ -466,8 +467,9 @@ def key_attention(model: nn.Module, tokenizer: Any, prompt: PasskeyPrompt, adapt
         c = adapter.centroids[adapter.slot[layer]].detach().float()
         q_route = routing_vectors(q[None, :, queries], centering[adapter.slot[layer]], "query", queries)
         k_route = routing_vectors(k[None], centering[adapter.slot[layer]], "key")
-        qm = routing.hard_membership(q_route, c, cfg.query_top_k)[0]  # [Hq, Q]
-        km = routing.hard_membership(k_route, c, cfg.key_top_k)[0].repeat_interleave(rep, 0)  # [Hq, N]
+        top_q, top_k = cfg.at(layer).query_top_k, cfg.at(layer).key_top_k
+        qm = routing.hard_membership(q_route, c, top_q)[0]  # [Hq, Q]
+        km = routing.hard_membership(k_route, c, top_k)[0].repeat_interleave(rep, 0)  # [Hq, N]
         share = (qm[:, :, None] & km[:, None, :]) != 0
         allowed = local | (share & (j <= i))
         mass = probs[..., keys].sum(-1)  # [Hq, Q]
@@ -475,8 +477,11 @@ def key_attention(model: nn.Module, tokenizer: Any, prompt: PasskeyPrompt, adapt
         out["kept"].append((probs * allowed)[..., keys].sum(-1).mean(-1) / mass.mean(-1).clamp_min(1e-30))
         out["kept_all"].append((probs * allowed).sum(-1).mean(-1))
         out["shared"].append(share[..., keys].float().mean((-1, -2)))
-        out["qg"].append(routing.hard_groups(q_route, c, cfg.query_top_k)[0])
-        out["kg"].append(routing.hard_groups(k_route[:, :, keys], c, cfg.key_top_k)[0])
+        out["qg"].append(routing.hard_groups(q_route, c, top_q)[0])
+        out["kg"].append(routing.hard_groups(k_route[:, :, keys], c, top_k)[0])
+    for f in ("qg", "kg"):  # layers with fewer groups per vector: padded with -1
+        width = max(g.shape[-1] for g in out[f])
+        out[f] = [torch.nn.functional.pad(g, (0, width - g.shape[-1]), value=-1) for g in out[f]]
     stack = {f: torch.stack(v) for f, v in out.items()}
     return KeyAttention(list(cfg.layers), stack["mass"], stack["kept"], stack["kept_all"], stack["shared"],
                         stack["qg"], stack["kg"])
@@ -644,9 +649,10 @@ def save_passkey(directory: str, results: list[PasskeyResult], meta: dict[str, A
 
 def passkey_protocol(dtype: str, dense_decode: bool = False, dense_tail: int = 0,
                      dense_heads: list[list[int]] | None = None,
-                     phrasings: list[str] | tuple[str, ...] = tuple(PHRASINGS)) -> str:
-    """One paragraph describing the protocol, for the reports (``dense_decode``, ``dense_tail``, ``dense_heads``: the
-    adapter's; ``phrasings``: those evaluated)."""
+                     phrasings: list[str] | tuple[str, ...] = tuple(PHRASINGS),
+                     layer_top_k: list[list[int]] | None = None) -> str:
+    """One paragraph describing the protocol, for the reports (``dense_decode``, ``dense_tail``, ``dense_heads``,
+    ``layer_top_k``: the adapter's; ``phrasings``: those evaluated)."""
     decode = (" Generation steps attend every token in both (`dense_decode`); the density counts the prefill."
               if dense_decode else "")
     if dense_tail:
@@ -656,6 +662,9 @@ def passkey_protocol(dtype: str, dense_decode: bool = False, dense_tail: int = 0
         decode += (" In focus, the query heads of KV heads " + ", ".join(f"{a}.{b}" for a, b in dense_heads)
                    + " (layer.KV head) attend every token (`dense_heads`), counted in the density; window-only has "
                    "none, its window matches the total.")
+    if layer_top_k:
+        decode += (" In focus, layers " + ", ".join(f"{a} ({q}, {k})" for a, q, k in layer_top_k) + " route each "
+                   "query and key into their own number of groups (query, key; `layer_top_k`), counted in the density.")
     words = "; ".join(f"`{name}`: needle \"{text.needle.format(key='NNNNN').strip()}\", answer started as "
                       f"{json.dumps(text.answer_prefix)}" for name, text in PHRASINGS.items() if name in phrasings)
     return ("Passkey retrieval: a 5-digit key in a needle at the given depth of the haystack (`filler`: \"" + FILLER

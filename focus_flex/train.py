@@ -503,7 +503,8 @@ def accumulate_gradients(model: nn.Module, adapter: FocusAdapter, sequences: tor
                 if fisher is not None:  # rows drawn by their weight, heads weighted by their share of it
                     idx, heads = fisher_rows(fisher[cfg.layers[slot]], tc.query_samples, cfg, gen)
                 idx = idx.to(q.device)
-                err, bal, entropy = distill_layer_loss(q, k, v, adapter.centroids[slot], cfg, idx, scale,
+                err, bal, entropy = distill_layer_loss(q, k, v, adapter.centroids[slot], adapter.layer_config(slot),
+                                                       idx, scale,
                                                        (centering or {}).get(slot), tc.query_mass, tc.query_most,
                                                        heads)
                 main, bal, entropy = err / len(slots), bal / len(slots), entropy / len(slots)
@@ -608,12 +609,12 @@ def dev_metrics(adapter: FocusAdapter, dev_qkv: list[QKV], num_queries: int = 25
             n = q.shape[2]
             idx = torch.linspace(min(cfg.window, n - 1), n - 1, num_queries, device=q.device).long().unique()
             c = cent[slot].to(q.device)
-            center = (centering or {}).get(slot)
-            fidelity = hard_fidelity(q, k, v, c, cfg, idx, scale, center)
+            center, lc = (centering or {}).get(slot), cfg.at(layer)
+            fidelity = hard_fidelity(q, k, v, c, lc, idx, scale, center)
             kept.append(fidelity[0].mean())
             err.append(fidelity[1].mean())
-            qm = routing.hard_membership(routing_vectors(q, center, "query"), c, cfg.query_top_k)
-            km = routing.hard_membership(routing_vectors(k, center, "key"), c, cfg.key_top_k)
+            qm = routing.hard_membership(routing_vectors(q, center, "query"), c, lc.query_top_k)
+            km = routing.hard_membership(routing_vectors(k, center, "key"), c, lc.key_top_k)
             dens.append(pattern_density(qm, km, cfg.window, cfg.sink_tokens, cfg.tail(n)).mean())
             bal.append(routing.group_balance(km, cfg.num_groups).mean())
     mean = lambda xs: float(torch.stack(xs).mean())

@@ -26,7 +26,10 @@ def tiny_llama() -> LlamaForCausalLM:
 
 @pytest.mark.parametrize("kq,kk,window,sinks,n", [(1, 1, 5, 2, 40), (2, 1, 3, 0, 33), (2, 3, 7, 4, 50),
                                                    (1, 2, 1, 1, 20), (3, 3, 64, 4, 30), (1, 1, 4, 9, 12)])
-def test_pattern_density_counts_exactly_what_focus_pattern_allows(kq, kk, window, sinks, n):
+@pytest.mark.parametrize("counting", ["fft", "diagonals"])
+def test_pattern_density_counts_exactly_what_focus_pattern_allows(kq, kk, window, sinks, n, counting, monkeypatch):
+    """Both ways of counting far pairs (diagonals: where queries have many distinct group sets)."""
+    monkeypatch.setattr(E, "DIAGONAL_COUNTING", 0 if counting == "diagonals" else 10 ** 9)
     torch.manual_seed(n)
     cfg = FocusConfig(num_groups=6, query_top_k=kq, key_top_k=kk, window=window, sink_tokens=sinks)
     q, k, c = torch.randn(2, 4, n, 8), torch.randn(2, 2, n, 8), torch.randn(2, 6, 8)

@@ -1,0 +1,143 @@
+"""``FocusConfig.layer_top_k``: the layers listed as ``[layer, query_top_k, key_top_k]`` route with their own top-k on
+every path; the others keep the config's. A listed layer is checked against the one definition of the pattern
+(``reference_attention``; the soft path against ``soft_attention``) under a config with that top-k everywhere,
+generation against the reference path on every cache, the measured density against counting the masks, and the
+embedded SmolLM2 with the published adapter on its fast path against its reference path."""
+
+import dataclasses
+
+import pytest
+import torch
+from test_dense_decode import generate_on_every_cache
+from test_flex_core import make, max_diff
+
+from focus_flex import FocusAdapter, FocusConfig, reference_attention, soft_attention
+from focus_flex.attention import focus_pattern
+from focus_flex.cli import layer_top_k
+from focus_flex.evaluate import RoutingMeter
+
+CFG = FocusConfig(num_groups=4, window=8, sink_tokens=2, block_size=16)
+MODULE = torch.nn.Module().eval()
+
+
+def tiny_adapter(cfg: FocusConfig = CFG) -> tuple[torch.nn.Module, FocusAdapter]:
+    """A tiny Llama (2 layers, 4 query heads on 2 KV heads of 16) and an adapter for it."""
+    from test_adapter import tiny
+
+    model = tiny("llama")
+    return model, FocusAdapter.for_model(model, cfg, seed=3)
+
+
+@pytest.mark.parametrize("mode,kernel", [("fast", None), ("fast", "flex"), ("fast", "flash"), ("reference", None),
+                                         ("soft", None)])
+@pytest.mark.parametrize("lq", [1, 100])
+def test_a_listed_layer_routes_with_its_own_top_k_on_every_path(mode, kernel, lq):
+    _, adapter = tiny_adapter()
+    adapter.mode, adapter.kernel = mode, kernel
+    q, k, v, _, mask = make(2, 4, 2, lq, 100, seed=1, pad=0 if kernel == "flash" else 6)
+    with torch.no_grad():
+        before = [adapter.forward(MODULE, s, q, k, v, mask, None) for s in (0, 1)]
+        adapter.config.layer_top_k = [[1, 3, 2]]
+        after = [adapter.forward(MODULE, s, q, k, v, mask, None) for s in (0, 1)]
+        wide = dataclasses.replace(adapter.config, query_top_k=3, key_top_k=2, layer_top_k=[])
+        definition = soft_attention if mode == "soft" else reference_attention
+        expected = definition(q, k, v, adapter.centroids[1], wide, attention_mask=mask)
+    assert torch.equal(after[0], before[0])  # layer 0 is not listed
+    assert max_diff(after[1], expected) <= 1e-5
+    assert max_diff(after[1], before[1]) > 1e-3  # more groups per token change layer 1
+
+
+@torch.no_grad()
+def test_generate_with_a_listed_layer_equals_the_reference_on_every_cache():
+    """Focus decode (key index, pools) with layer 1 at top-k 3/2: greedy generate on the CPU path, the static cache
+    and a flex FocusCache equals the reference path's, and differs from the same adapter without the listing."""
+    cfg = FocusConfig(**{**CFG.to_dict(), "layer_top_k": [[1, 3, 2]]})
+    model, adapter, x, kw, expected = generate_on_every_cache(cfg, 6)
+    adapter.config.layer_top_k = []
+    plain = model.generate(x, **kw)
+    assert max(max_diff(a, b) for a, b in zip(plain.logits, expected.logits, strict=True)) > 1e-3
+
+
+@torch.no_grad()
+def test_measured_density_counts_each_layers_own_pattern():
+    from test_adapter import ids
+
+    model, adapter = tiny_adapter(FocusConfig(**{**CFG.to_dict(), "layer_top_k": [[0, 4, 1]]}))
+    adapter.attach(model)
+    n, masks = 70, []
+
+    def count(module, args, output):
+        _, slot, query, key = args[:4]
+        cfg = module.config if slot else dataclasses.replace(module.config, query_top_k=4, layer_top_k=[])
+        pattern = focus_pattern(query, key, module.centroids[slot].detach(), cfg)
+        masks.append(pattern.sum().item() / (pattern.shape[1] * n * (n + 1) / 2))
+
+    meter = RoutingMeter(adapter)
+    handle = adapter.register_forward_hook(count)
+    model(ids(1, n))
+    handle.remove()
+    density, _ = meter.close()
+    assert density == pytest.approx(sum(masks) / len(masks), abs=1e-9)
+    assert masks[0] == pytest.approx(1.0)  # every query in all 4 groups: layer 0 is causal attention
+    assert masks[1] < 0.9
+
+
+def test_layer_configurations_are_made_again_only_when_the_config_changes():
+    """The same objects from forward to forward (a compiled decode step guards on them), new ones after a change."""
+    _, adapter = tiny_adapter(FocusConfig(**{**CFG.to_dict(), "layer_top_k": [[1, 3, 2]]}))
+    first = adapter.layer_config(1)
+    assert (first.query_top_k, first.key_top_k, first.layer_top_k) == (3, 2, [])
+    assert adapter.layer_config(0) is adapter.config and adapter.layer_config(1) is first
+    adapter.config.window = 5
+    second = adapter.layer_config(1)
+    assert second is not first and second.window == 5 and adapter.layer_config(1) is second
+    adapter.config.layer_top_k = []
+    assert adapter.layer_config(1) is adapter.config
+
+
+def test_config_field_round_trips_and_is_checked(tmp_path):
+    cfg = FocusConfig(num_groups=8, layer_top_k=[[5, 4, 2], [0, 8, 1], (5, 4, 2)])
+    assert cfg.layer_top_k == [[0, 8, 1], [5, 4, 2]]
+    assert (cfg.at(5).query_top_k, cfg.at(5).key_top_k, cfg.at(5).num_groups) == (4, 2, 8)
+    assert cfg.at(3) is cfg
+    cfg.save_pretrained(tmp_path)
+    assert FocusConfig.from_pretrained(tmp_path).layer_top_k == [[0, 8, 1], [5, 4, 2]]
+    for bad in ([[1, 2]], [[1, 0, 1]], [[1, 1, 9]], [[-1, 1, 1]], "0:2:2", [[1, True, 1]]):
+        with pytest.raises(ValueError, match="layer_top_k=.* must be a list of \\[layer, query_top_k, key_top_k\\]"):
+            FocusConfig(num_groups=8, layer_top_k=bad)
+    with pytest.raises(ValueError, match="names a layer twice"):
+        FocusConfig(num_groups=8, layer_top_k=[[1, 2, 2], [1, 3, 2]])
+    with pytest.raises(ValueError, match="names layers that are not Focus layers"):
+        FocusConfig(layers=[1, 2], layer_top_k=[[0, 1, 1]])
+    _, adapter = tiny_adapter()
+    adapter.config.layer_top_k = [[7, 2, 2]]  # a live config is checked when the adapter runs
+    with pytest.raises(ValueError, match="not Focus layers"):
+        adapter._check_config()
+    assert layer_top_k("0:32:4") == [0, 32, 4]
+    with pytest.raises(Exception, match="expected LAYER:Q:K"):
+        layer_top_k("0:32")
+
+
+@torch.no_grad()
+def test_published_adapter_with_wide_lower_layers_on_the_fast_path_equals_its_reference(smollm2):
+    """The embedded SmolLM2 with the published adapter, layers 0, 2 and 6 at 32 groups per query (docs/passkey.md,
+    point 53): the fast path's logits (C kernels, dense tail) equal the reference path's on real text."""
+    from test_passkey import ADAPTER
+
+    from focus_flex.data import load_documents
+
+    model, tokenizer = smollm2
+    adapter = FocusAdapter.from_pretrained(ADAPTER)
+    ids = tokenizer(load_documents(split="eval")[0][:6000], return_tensors="pt").input_ids[:, :900]
+    adapter.attach(model)
+    try:
+        adapter.config.layer_top_k = [[0, 32, 4], [2, 32, 4], [6, 32, 4]]
+        fast = model(ids).logits
+        adapter.mode = "reference"
+        reference = model(ids).logits
+        adapter.config.layer_top_k = []
+        plain = model(ids).logits
+    finally:
+        adapter.detach(model)
+    assert max_diff(fast, reference) <= 2e-3
+    assert max_diff(reference, plain) > 0.05
