@@ -316,6 +316,11 @@ def test_key_attention_finds_heads_reading_the_key_and_what_the_pattern_keeps(sm
     assert torch.allclose(wide.kept, torch.ones_like(wide.kept), atol=1e-4)
     assert torch.allclose(wide.kept_all, torch.ones_like(wide.kept_all), atol=1e-4)
     assert torch.equal(wide.mass, ka.mass)
+    adapter.config.window, adapter.config.layer_top_k = 256, [[0, 63, 4]]  # layer 0's queries in every group
+    own = P.key_attention(model, tok, p, adapter)
+    assert torch.allclose(own.kept[0], torch.ones(9), atol=1e-4) and torch.equal(own.kept[1:], ka.kept[1:])
+    assert own.query_groups.shape == (30, 9, 6, 63) and bool((own.query_groups[1:, ..., 1:] == -1).all())
+    assert torch.equal(own.query_groups[1:, ..., :1], ka.query_groups[1:])
 
 
 def test_retention_counts_only_the_keys_full_attention_retrieves():
