@@ -155,7 +155,6 @@ class FocusAdapter(nn.Module):
         self._attached: list[tuple[weakref.ref, list]] = []  # (model, its hooks)
         self._active_cache: weakref.ref | None = None
         self._key_index: dict[int, _Indexed] = {}  # slot -> the key routing of the active cache's layer
-        self._configs: tuple[str, list[FocusConfig]] = ("", [])  # (config's fingerprint, its layers' configurations)
 
     @property
     def mode(self) -> str:
@@ -338,17 +337,8 @@ class FocusAdapter(nn.Module):
                              "new one (FocusAdapter.for_model).")
 
     def layer_config(self, slot: int) -> FocusConfig:
-        """The configuration the layer in ``slot`` runs with (``config.at``). Layers with their own top-k get copies,
-        made again only when ``adapter.config`` changes: the same objects from an eager forward to the compiled steps
-        after it, which therefore do not recompile."""
-        c = self.config
-        if not c.layer_top_k:
-            return c
-        if not torch.compiler.is_compiling():
-            fingerprint = repr([v for f, v in vars(c).items() if f != "extra"])
-            if fingerprint != self._configs[0]:
-                self._configs = (fingerprint, [c.at(layer) for layer in c.layers])
-        return self._configs[1][slot]
+        """The configuration the layer in ``slot`` runs with: ``config.at`` its layer, from the live config."""
+        return self.config.at(self.config.layers[slot])
 
     def _exit(self, module, args, output):
         self._active_cache = None
