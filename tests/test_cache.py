@@ -216,6 +216,24 @@ def test_static_cache_generate_across_architectures(arch):
     assert torch.equal(model.generate(x, cache_implementation="static", **kw), model.generate(x, **kw))
 
 
+def compiled_static_generate_twice(model, x, kw):
+    """Greedy ``generate`` with the static cache and transformers' compiled decode step (fullgraph), twice: each equal
+    to the eager generate, no graph break, and the second compiling nothing new. Returns the output."""
+    compile_config = CompileConfig(fullgraph=True, mode="default")
+    compile_config._compile_all_devices = True  # transformers compiles decode steps on accelerators only otherwise
+    expected = model.generate(x, **kw)
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    for _ in range(2):
+        out = model.generate(x, cache_implementation="static", compile_config=compile_config, **kw)
+        assert torch.equal(out, expected)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert graphs[0] > 0 and graphs[1] == graphs[0], "the second generate compiled again"
+    return out
+
+
 @pytest.mark.slow
 @torch.no_grad()
 def test_real_smollm2_static_cache_compiled_generate_equals_recomputing_the_prefix():
@@ -231,18 +249,7 @@ def test_real_smollm2_static_cache_compiled_generate_equals_recomputing_the_pref
     prompt = tok("The three laws of the house were written on the kitchen door. " * 12, return_tensors="pt")
     x = prompt.input_ids[:, :120]
     kw = dict(max_new_tokens=6, do_sample=False)
-    compile_config = CompileConfig(fullgraph=True, mode="default")
-    compile_config._compile_all_devices = True  # transformers compiles decode steps on accelerators only otherwise
-    expected = model.generate(x, **kw)
-    torch._dynamo.reset()
-    counters.clear()
-    graphs = []
-    for _ in range(2):
-        out = model.generate(x, cache_implementation="static", compile_config=compile_config, **kw)
-        assert torch.equal(out, expected)
-        graphs.append(counters["stats"]["unique_graphs"])
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    assert graphs[1] == graphs[0], "the second generate compiled again"
+    out = compiled_static_generate_twice(model, x, kw)
     adapter.mode = "reference"
     logits = model(out[:, :-1]).logits
     assert torch.equal(logits[0, x.shape[1] - 1:].argmax(-1), out[0, x.shape[1]:])

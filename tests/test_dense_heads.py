@@ -15,6 +15,7 @@ from focus_flex.evaluate import RoutingMeter
 
 CFG = FocusConfig(num_groups=4, window=8, sink_tokens=2, block_size=16)
 MODULE = torch.nn.Module().eval()
+PATHS = [("fast", None), ("fast", "flex"), ("fast", "flash"), ("reference", None), ("soft", None)]  # (mode, kernel)
 
 
 def tiny_adapter(cfg: FocusConfig = CFG) -> tuple[torch.nn.Module, FocusAdapter]:
@@ -25,8 +26,7 @@ def tiny_adapter(cfg: FocusConfig = CFG) -> tuple[torch.nn.Module, FocusAdapter]
     return model, FocusAdapter.for_model(model, cfg, seed=3)
 
 
-@pytest.mark.parametrize("mode,kernel", [("fast", None), ("fast", "flex"), ("fast", "flash"), ("reference", None),
-                                         ("soft", None)])
+@pytest.mark.parametrize("mode,kernel", PATHS)
 @pytest.mark.parametrize("lq", [1, 100])
 def test_dense_heads_are_causal_attention_and_the_others_keep_their_path(mode, kernel, lq):
     _, adapter = tiny_adapter()

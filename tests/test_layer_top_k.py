@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 from test_dense_decode import generate_on_every_cache
+from test_dense_heads import CFG, MODULE, PATHS, tiny_adapter
 from test_flex_core import make, max_diff
 
 from focus_flex import FocusAdapter, FocusConfig, reference_attention, soft_attention
@@ -16,20 +17,8 @@ from focus_flex.attention import focus_pattern
 from focus_flex.cli import layer_top_k
 from focus_flex.evaluate import RoutingMeter
 
-CFG = FocusConfig(num_groups=4, window=8, sink_tokens=2, block_size=16)
-MODULE = torch.nn.Module().eval()
 
-
-def tiny_adapter(cfg: FocusConfig = CFG) -> tuple[torch.nn.Module, FocusAdapter]:
-    """A tiny Llama (2 layers, 4 query heads on 2 KV heads of 16) and an adapter for it."""
-    from test_adapter import tiny
-
-    model = tiny("llama")
-    return model, FocusAdapter.for_model(model, cfg, seed=3)
-
-
-@pytest.mark.parametrize("mode,kernel", [("fast", None), ("fast", "flex"), ("fast", "flash"), ("reference", None),
-                                         ("soft", None)])
+@pytest.mark.parametrize("mode,kernel", PATHS)
 @pytest.mark.parametrize("lq", [1, 100])
 def test_a_listed_layer_routes_with_its_own_top_k_on_every_path(mode, kernel, lq):
     _, adapter = tiny_adapter()
@@ -147,22 +136,8 @@ def test_compiled_static_decode_with_a_listed_layer_compiles_once():
     made inside the trace): the tokens of the eager path, no graph break, and a second generate compiles nothing
     new."""
     from test_adapter import ids
-    from torch._dynamo.utils import counters
-    from transformers import CompileConfig
+    from test_cache import compiled_static_generate_twice
 
     model, adapter = tiny_adapter(FocusConfig(**{**CFG.to_dict(), "layer_top_k": [[1, 3, 2]]}))
     adapter.attach(model)
-    x = ids(1, 40)
-    kw = dict(max_new_tokens=5, do_sample=False)
-    compile_config = CompileConfig(fullgraph=True, mode="default")
-    compile_config._compile_all_devices = True  # transformers compiles decode steps on accelerators only otherwise
-    expected = model.generate(x, **kw)
-    torch._dynamo.reset()
-    counters.clear()
-    graphs = []
-    for _ in range(2):
-        out = model.generate(x, cache_implementation="static", compile_config=compile_config, **kw)
-        assert torch.equal(out, expected)
-        graphs.append(counters["stats"]["unique_graphs"])
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    assert graphs[0] > 0 and graphs[1] == graphs[0], "the second generate compiled again"
+    compiled_static_generate_twice(model, ids(1, 40), dict(max_new_tokens=5, do_sample=False))
