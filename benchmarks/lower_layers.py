@@ -15,7 +15,7 @@ template and the instruction), the rows from there to the needle, the needle, th
 tail, and the tail (the key's own rows: dense decode, no error).
 
 ``perplexity``: perplexity of ``--eval-windows`` windows of ``--context`` tokens of the shipped held-out books with
-the queries of ``--wide-layers`` routed into ``--wide-top-k`` groups (:func:`benchmarks.passkey_oracle.wide_layers`),
+the queries of ``--wide-layers`` routed into ``--wide-top-k`` groups (``FocusConfig.layer_top_k``),
 side by side with the adapter as it is; each with window-only at its density. With ``--adaptive-mass P`` their queries
 instead take groups until they hold P of their routing probability (:func:`benchmarks.passkey_oracle.adaptive_layers`,
 at most ``--adaptive-most``), beside window-only at the density with the pairs that adds.
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 import focus_flex.adapter
 from benchmarks.bench import machine_info
-from benchmarks.passkey_oracle import adaptive_layers, moment_summaries, wide_layers
+from benchmarks.passkey_oracle import adaptive_layers, moment_summaries
 from focus_flex import FocusAdapter
 from focus_flex.data import load_documents, token_windows
 from focus_flex.evaluate import evaluate, matching_window, window_mask, window_nll, window_only
@@ -133,10 +133,11 @@ def perplexity(model: torch.nn.Module, tokenizer, adapter: FocusAdapter, args: a
         adaptive_perplexity(model, adapter, windows, args)
         return
     for q, k in ((cfg.query_top_k, cfg.key_top_k), args.wide_top_k):
-        with wide_layers(args.wide_layers, q, k):
-            for r in evaluate(model, adapter, windows, modes=("focus", "window"), progress=False):
-                print(f"layers {args.wide_layers} with groups per query and key {q}, {k}: {r.mode} perplexity "
-                      f"{r.perplexity:.3f}, density {100 * r.density:.1f}%", flush=True)
+        cfg.layer_top_k = [[layer, q, k] for layer in args.wide_layers]
+        for r in evaluate(model, adapter, windows, modes=("focus", "window"), progress=False):
+            print(f"layers {args.wide_layers} with groups per query and key {q}, {k}: {r.mode} perplexity "
+                  f"{r.perplexity:.3f}, density {100 * r.density:.1f}%", flush=True)
+    cfg.layer_top_k = []
 
 
 def adaptive_perplexity(model: torch.nn.Module, adapter: FocusAdapter, windows: torch.Tensor,

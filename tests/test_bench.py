@@ -210,35 +210,33 @@ def test_passkey_oracle_dense_rows_attend_fully_and_the_rest_keep_focus():
             assert torch.allclose(model(x).logits, full, atol=1e-5)
 
 
-def test_passkey_oracle_wide_layers_route_those_layers_into_more_groups():
-    """``passkey_oracle --wide-layers --wide-top-k``: with every group per query and key, the wide layers attend
-    fully (the model without Focus there: Focus in the other layers only), the routing meter counts them as dense,
-    and the adapter's config is its own again afterwards."""
+def test_wide_layers_with_every_group_attend_fully():
+    """``layer_top_k`` (``passkey_oracle --wide-layers --wide-top-k``): with every group per query and key, the wide
+    layers attend fully (the model without Focus there: Focus in the other layers only), and the routing meter counts
+    them as dense."""
     import torch
     from test_adapter import ids, tiny
 
-    from benchmarks.passkey_oracle import layer_subset, wide_layers
+    from benchmarks.passkey_oracle import layer_subset
     from focus_flex import FocusAdapter, FocusConfig
     from focus_flex.evaluate import RoutingMeter
 
     model, x = tiny("llama"), ids(1, 60)
     adapter = FocusAdapter.for_model(model, FocusConfig(num_groups=4, window=8, sink_tokens=2), seed=3)
-    own = (adapter.config.query_top_k, adapter.config.key_top_k)
     with torch.no_grad():
         full = model(x).logits
         only_0 = logits_with(model, layer_subset(adapter, [0]), x)
         adapter.attach(model)
         focus = model(x).logits
         meter = RoutingMeter(adapter)
-        with wide_layers([1], 4, 4):
-            wide_1 = model(x).logits
-        with wide_layers([0, 1], 4, 4):
-            wide_all = model(x).logits
+        adapter.config.layer_top_k = [[1, 4, 4]]
+        wide_1 = model(x).logits
+        adapter.config.layer_top_k = [[0, 4, 4], [1, 4, 4]]
+        wide_all = model(x).logits
         meter.close()
     assert (focus - full).abs().max() > 1e-3 and (focus - only_0).abs().max() > 1e-3
     assert torch.allclose(wide_1, only_0, atol=1e-5) and torch.allclose(wide_all, full, atol=1e-5)
     assert meter.density[0] < 1 and meter.density[1] == pytest.approx(1.0) and meter.density[2:] == [1.0, 1.0]
-    assert (adapter.config.query_top_k, adapter.config.key_top_k) == own != (4, 4)
 
 
 def test_passkey_oracle_adaptive_layers_take_groups_until_they_hold_the_mass():
