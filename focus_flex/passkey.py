@@ -467,7 +467,8 @@ def key_attention(model: nn.Module, tokenizer: Any, prompt: PasskeyPrompt, adapt
         c = adapter.centroids[adapter.slot[layer]].detach().float()
         q_route = routing_vectors(q[None, :, queries], centering[adapter.slot[layer]], "query", queries)
         k_route = routing_vectors(k[None], centering[adapter.slot[layer]], "key")
-        top_q, top_k = cfg.at(layer).query_top_k, cfg.at(layer).key_top_k
+        own = cfg.at(layer)  # the layer's own top-k
+        top_q, top_k = own.query_top_k, own.key_top_k
         qm = routing.hard_membership(q_route, c, top_q)[0]  # [Hq, Q]
         km = routing.hard_membership(k_route, c, top_k)[0].repeat_interleave(rep, 0)  # [Hq, N]
         share = (qm[:, :, None] & km[:, None, :]) != 0
