@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import re
 import shlex
@@ -423,6 +424,7 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
     from focus_flex.hub import model_card
     from focus_flex.passkey import PASSKEY_MD, check_passkey_args, passkey_eval, passkey_protocol, save_passkey
 
+    earlier = _resumed(args, adapter.config.to_dict()) if args.resume else []
     model, tokenizer = _load_model(args.model or adapter.config.base_model,
                                    args.revision or adapter.config.base_model_revision, args.dtype,
                                    _device(args.device))
@@ -438,9 +440,14 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
     modes = [m for m in args.modes if not (results and m == "full")]
     if modes:
         results += passkey_eval(model, tokenizer, adapter, args.lengths, args.depths, args.keys_per_cell,
-                                args.haystacks, modes, args.phrasings, seed=args.seed, progress=not args.no_progress)
+                                args.haystacks, modes, args.phrasings, seed=args.seed, progress=not args.no_progress,
+                                earlier=earlier)
+    if earlier:
+        reused = {id(r) for r in earlier}
+        taken = sum(id(r) in reused for r in results)
+        print(f"--resume: {taken} of {len(results)} results taken from {' '.join(args.resume)}, the rest run")
     meta = {"command": command, "adapter": args.adapter, "focus_config": adapter.config.to_dict(),
-            "cpu": _cpu_name()}
+            "cpu": _cpu_name(), "dtype": args.dtype}
     protocol = passkey_protocol(args.dtype, adapter.config.dense_decode, adapter.config.dense_tail,
                                 adapter.config.dense_heads, args.phrasings, adapter.config.layer_top_k)
     paths = save_passkey(out, results, meta, protocol)
@@ -482,6 +489,37 @@ def _reused_full(args: argparse.Namespace) -> list:
                        f"attention for them (drop --full-results), or ask for the phrasings it holds (--phrasings "
                        f"{' '.join(held)})")
     return [earlier[c] for c in cells]
+
+
+def _resumed(args: argparse.Namespace, config: dict[str, Any]) -> list:
+    """The results of ``--resume``: earlier runs of this adapter configuration (its centroids aside) and dtype."""
+    from focus_flex.passkey import PasskeyResult
+
+    mine = {k: v for k, v in config.items() if k != "extra"}
+    earlier = []
+    for path in args.resume:
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            rows = [PasskeyResult(**r) for r in data["results"]]
+            theirs = {k: v for k, v in data["focus_config"].items() if k != "extra"}
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise CliError(f"--resume {path!r}: not a readable passkey.json ({e})") from e
+        differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+        if differ:
+            raise CliError(f"--resume {path!r} was run with another configuration (it differs in "
+                           + ", ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} here" for k in differ)
+                           + "); resume runs of this configuration only (--full-results takes full attention's "
+                           "answers from any run)")
+        # runs before the dtype was recorded name it in their protocol paragraph
+        dtype = data.get("dtype") or next((d for d in DTYPES if f"; {d}. " in data.get("protocol", "")), None)
+        if dtype is None:
+            raise CliError(f"--resume {path!r}: its dtype is not recorded; run its prompts again")
+        if dtype != args.dtype:
+            raise CliError(f"--resume {path!r} was run in {dtype}, this run in {args.dtype}: resume it with "
+                           f"--dtype {dtype}")
+        earlier += rows
+    return earlier
 
 
 def _cpu_name() -> str | None:
@@ -636,6 +674,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="reuse the full-attention results of earlier runs (their passkey.json files, together "
                          "holding this run's prompts; the first named wins) instead of running full attention again; "
                          "they join this run's report with any --modes, so each mode is compared with full attention")
+    pk.add_argument("--resume", metavar="PASSKEY_JSON", nargs="+", default=None,
+                    help="take the results of earlier runs of this same adapter configuration and dtype (their "
+                         "passkey.json files) for the prompts and modes they hold, and run only the rest")
     _add_common(e, training=False)
     e.set_defaults(func=cmd_eval, modes=None)  # --modes default: all of the task's modes
 

@@ -349,10 +349,13 @@ def passkey_eval(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None,
                  haystacks: list[str] | tuple[str, ...] = HAYSTACKS,
                  modes: list[str] | tuple[str, ...] = PASSKEY_MODES,
                  phrasings: list[str] | tuple[str, ...] = tuple(PHRASINGS), *, seed: int = 0,
-                 progress: bool = True) -> list[PasskeyResult]:
+                 progress: bool = True, earlier: list[PasskeyResult] | tuple[PasskeyResult, ...] = ()
+                 ) -> list[PasskeyResult]:
     """Passkey retrieval of every (mode, haystack, phrasing, length, depth, key) (module docstring for the protocol).
 
     ``adapter`` (needed for ``focus`` and ``window``) must not be attached; it is attached for ``focus`` only.
+    ``earlier``: results of a run of this same model, adapter configuration and dtype; a (mode, prompt) they hold
+    with this seed's key is taken from them instead of run again (window-only is matched to reused focus results too).
     """
     check_passkey_args(model, lengths, depths, keys_per_cell, haystacks, modes, phrasings)
     if ("focus" in modes) and adapter is None:
@@ -363,6 +366,7 @@ def passkey_eval(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None,
     modes = [m for m in PASSKEY_MODES if m in modes]
     cells = prompts_of(haystacks, lengths, depths, keys_per_cell, phrasings)
     prompts = {c: c.build(tokenizer, c.key(seed)) for c in cells}
+    done = {(r.mode, r.prompt): r for r in earlier}
     results: list[PasskeyResult] = []
     was_training, old_mode = model.training, adapter.mode if adapter is not None else None
     model.eval()
@@ -374,7 +378,11 @@ def passkey_eval(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None,
                 for mode in modes:  # focus before window: window-only's window matches focus's density
                     for cell in group:
                         bar.set_postfix_str(f"{mode} {haystack} {cell.phrasing} {length} {cell.depth}%")
-                        _run(model, tokenizer, adapter, mode, cell, prompts[cell], results)
+                        old = done.get((mode, cell))
+                        if old is not None and old.key == prompts[cell].key:
+                            results.append(old)
+                        else:
+                            _run(model, tokenizer, adapter, mode, cell, prompts[cell], results)
                         bar.update()
     finally:
         bar.close()

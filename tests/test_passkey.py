@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from focus_flex import FocusAdapter
 from focus_flex import passkey as P
 from focus_flex.cli import main
-from focus_flex.evaluate import window_only
+from focus_flex.evaluate import matching_window, window_density, window_only
 
 ADAPTER = str(Path(__file__).resolve().parents[1] / "hub" / "smollm2-135m-instruct-focus")
 
@@ -247,11 +247,41 @@ def test_eval_task_passkey_writes_table_json_and_heatmaps(tmp_path, capsys):
     assert "no full-attention result for 2 of the 4 prompts" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_eval_task_passkey_resumes_runs_of_the_same_configuration_only(tmp_path, capsys):
+    """``--resume``: the prompts and modes an earlier run of this configuration holds are taken from it (the same
+    records, timings included), the others run; window-only is matched to the reused focus results; a run of another
+    configuration or dtype is refused, naming the difference."""
+    argv = ["eval", ADAPTER, "--task", "passkey", "--lengths", "384", "--keys-per-cell", "1", "--haystacks", "prose",
+            "--phrasings", "ruler", "--no-progress"]
+    first = tmp_path / "first"
+    assert main([*argv, "--depths", "30", "--modes", "full", "focus", "--output-dir", str(first)]) == 0
+    old = json.loads((first / P.PASSKEY_JSON).read_text())["results"]
+    both = tmp_path / "both"
+    assert main([*argv, "--depths", "30", "70", "--resume", str(first / P.PASSKEY_JSON),
+                 "--output-dir", str(both)]) == 0
+    assert "--resume: 2 of 6 results taken" in capsys.readouterr().out
+    rows = json.loads((both / P.PASSKEY_JSON).read_text())["results"]
+    assert [r for r in rows if r["depth"] == 30 and r["mode"] != "window"] == old  # taken, not run again
+    fresh = {r["mode"]: r for r in rows if r["depth"] == 70}
+    assert set(fresh) == {"full", "focus", "window"} and fresh["full"]["density"] == 1.0
+    assert 0 < fresh["focus"]["density"] < 1
+    adapter = FocusAdapter.from_pretrained(ADAPTER)  # the window matches the mean of both prompts' focus density
+    cfg, focus = adapter.config, [r["density"] for r in rows if r["mode"] == "focus"]
+    w = matching_window(384, cfg.sink_tokens, sum(focus) / len(focus), cfg.tail(384))
+    assert {r["density"] for r in rows if r["mode"] == "window"} == {window_density(384, w, cfg.sink_tokens,
+                                                                                   cfg.tail(384))}
+    assert main([*argv, "--depths", "30", "--window", "128", "--resume", str(first / P.PASSKEY_JSON),
+                 "--output-dir", str(tmp_path / "other")]) == 2
+    assert "differs in window: 256 there, 128 here" in capsys.readouterr().err
+    assert main([*argv, "--depths", "30", "--dtype", "bfloat16", "--resume", str(first / P.PASSKEY_JSON),
+                 "--output-dir", str(tmp_path / "other")]) == 2
+    assert "was run in float32, this run in bfloat16" in capsys.readouterr().err
+
+
 def test_window_only_is_matched_to_focus_on_the_prompts_of_its_own_phrasing(smollm2):
     """Each phrasing's window-only density is matched to Focus's mean density over that phrasing's prompts (their
     windows differ here: pooling both phrasings would give each the same one)."""
-    from focus_flex.evaluate import matching_window, window_density
-
     model, tokenizer = smollm2
     adapter = FocusAdapter.from_pretrained(ADAPTER)
     cfg, n = adapter.config, 640
