@@ -456,7 +456,9 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
     made = extra.setdefault("trained_with", extra.get("command"))
     with open(paths[PASSKEY_MD], encoding="utf-8") as f:
         heatmaps = "".join(f"\n![passkey, {name[8:-4]}]({name})\n" for name in paths if name.endswith(".png"))
-        extra["passkey_markdown"] = f.read() + heatmaps + f"\n```bash\n{command}\n```\n"
+        # the card's command reproduces the results without the earlier runs it resumed (a reader does not have them)
+        rerun = "focus-flex " + shlex.join(_without(args.argv, "--resume"))
+        extra["passkey_markdown"] = f.read() + heatmaps + f"\n```bash\n{rerun}\n```\n"
     adapter.save_pretrained(out)
     with open(os.path.join(out, "README.md"), "w", encoding="utf-8") as f:
         f.write(model_card(adapter.config.to_dict(), repo_id=None, results_markdown=extra.get("results_markdown"),
@@ -489,6 +491,16 @@ def _reused_full(args: argparse.Namespace) -> list:
                        f"attention for them (drop --full-results), or ask for the phrasings it holds (--phrasings "
                        f"{' '.join(held)})")
     return [earlier[c] for c in cells]
+
+
+def _without(argv: list[str], flag: str) -> list[str]:
+    """``argv`` without ``flag`` and the values that follow it."""
+    out, skipping = [], False
+    for a in argv:
+        skipping = a == flag or (skipping and not a.startswith("-"))
+        if not skipping:
+            out.append(a)
+    return out
 
 
 def _resumed(args: argparse.Namespace, config: dict[str, Any]) -> list:

@@ -263,6 +263,9 @@ def test_eval_task_passkey_resumes_runs_of_the_same_configuration_only(tmp_path,
     assert "--resume: 2 of 6 results taken" in capsys.readouterr().out
     rows = json.loads((both / P.PASSKEY_JSON).read_text())["results"]
     assert [r for r in rows if r["depth"] == 30 and r["mode"] != "window"] == old  # taken, not run again
+    assert "--resume" in json.loads((both / P.PASSKEY_JSON).read_text())["command"]
+    assert "--resume" not in (both / "README.md").read_text()  # the card's command runs without the earlier files
+    assert "--depths 30 70 --output-dir" in (both / "README.md").read_text()
     fresh = {r["mode"]: r for r in rows if r["depth"] == 70}
     assert set(fresh) == {"full", "focus", "window"} and fresh["full"]["density"] == 1.0
     assert 0 < fresh["focus"]["density"] < 1
@@ -334,6 +337,7 @@ def test_eval_task_passkey_rejects_lengths_above_the_context(tmp_path, capsys):
 def test_key_attention_finds_heads_reading_the_key_and_what_the_pattern_keeps(smollm2):
     model, tok = smollm2
     adapter = FocusAdapter.from_pretrained(ADAPTER)
+    adapter.config.layer_top_k = []  # every layer with the adapter's top-k (one query group); layer 0's own below
     p = P.build_prompt(tok, 512, 20, "58213", "filler")
     ka = P.key_attention(model, tok, p, adapter)
     assert ka.mass.shape == ka.kept.shape == (30, 9) and ka.query_groups.shape == (30, 9, 6, 1)
