@@ -420,7 +420,10 @@ def layer_subset(adapter: FocusAdapter, layers: list[int]) -> FocusAdapter:
     center = adapter.config.center
     if isinstance(center, list):  # centered on some layers: those of them in the subset
         center = [layer for layer in center if layer in layers]
-    config = FocusConfig.from_dict({**adapter.config.to_dict(), "layers": sorted(layers), "center": center})
+    cfg = adapter.config  # its per-layer settings of the subset's layers only
+    config = FocusConfig.from_dict({**cfg.to_dict(), "layers": sorted(layers), "center": center,
+                                    "dense_heads": [h for h in cfg.dense_heads if h[0] in layers],
+                                    "layer_top_k": [t for t in cfg.layer_top_k if t[0] in layers]})
     means = {} if not config.center else {"query_means": adapter.query_means.detach()[slots],
                                           "key_means": adapter.key_means.detach()[slots]}
     return FocusAdapter(config, adapter.centroids.detach()[slots], **means)

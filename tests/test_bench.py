@@ -174,6 +174,13 @@ def test_passkey_oracle_layer_subset_is_focus_in_those_layers_only():
                         query_means=adapter.query_means, key_means=adapter.key_means)
     assert layer_subset(some, [0]).config.center is False and layer_subset(some, [1]).config.center == [1]
     assert layer_subset(some, [0, 1]).config.center == [1]
+    # dense heads and layers with their own top-k: those of the subset's layers kept, the others dropped
+    own = FocusAdapter(FocusConfig.from_dict({**adapter.config.to_dict(), "dense_heads": [[0, 0], [1, 1]],
+                                              "layer_top_k": [[0, 3, 2], [1, 2, 2]]}), adapter.centroids,
+                       query_means=adapter.query_means, key_means=adapter.key_means)
+    assert layer_subset(own, [1]).config.dense_heads == [[1, 1]] and layer_subset(own, [1]).config.layer_top_k == [
+        [1, 2, 2]]
+    assert layer_subset(own, [0, 1]).config.layer_top_k == [[0, 3, 2], [1, 2, 2]]
 
 
 def test_passkey_oracle_dense_rows_attend_fully_and_the_rest_keep_focus():
