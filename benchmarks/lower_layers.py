@@ -52,8 +52,9 @@ def focus_output(adapter: FocusAdapter, layer: int, q: torch.Tensor, k: torch.Te
                  scale: float | None, centerings_: dict) -> torch.Tensor:
     """A layer's attention output ``[B, Hq, L, D]`` under the adapter's hard pattern (its centering included)."""
     slot = adapter.slot[layer]
-    return focus_flex.adapter.reference_attention(q, k, v, adapter.centroids.detach()[slot], adapter.config,
-                                                  scale=scale, centering=centerings_.get(slot))
+    return focus_flex.adapter.reference_attention(q, k, v, adapter.centroids.detach()[slot],
+                                                  adapter.layer_config(slot), scale=scale,
+                                                  centering=centerings_.get(slot))
 
 
 def errors(model: torch.nn.Module, tokenizer, adapter: FocusAdapter, args: argparse.Namespace) -> None:

@@ -677,8 +677,9 @@ def _attention_forward(module, query, key, value, attention_mask, scaling=None, 
         if adapter.mode == "soft":
             raise ValueError("output_attentions=True: the soft path's weights are not returned; set adapter.mode = "
                              "'fast' or 'reference' for the hard pattern's attention weights.")
-        weights = attention_weights(query, key, adapter.centroids[state.slot].detach(), adapter.config,
-                                    attention_mask=padding, scale=scaling, centering=adapter.centering(state.slot))
+        weights = attention_weights(query, key, adapter.centroids[state.slot].detach(),
+                                    adapter.layer_config(state.slot), attention_mask=padding, scale=scaling,
+                                    centering=adapter.centering(state.slot))
     return out.transpose(1, 2).contiguous(), weights
 
 

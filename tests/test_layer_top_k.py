@@ -48,6 +48,26 @@ def test_generate_with_a_listed_layer_equals_the_reference_on_every_cache():
 
 
 @torch.no_grad()
+def test_output_attentions_of_a_listed_layer_are_its_own_patterns_weights():
+    """output_attentions=True: each layer's weights are zero exactly outside its own pattern (layer 1 listed at
+    top-k 3/2: it attends pairs the config's top-k would skip), rows summing to 1."""
+    from test_adapter import ids
+
+    model, adapter = tiny_adapter(FocusConfig(**{**CFG.to_dict(), "layer_top_k": [[1, 3, 2]]}))
+    adapter.attach(model)
+    q, k = {}, {}  # each Focus layer's q and k, to build its pattern
+    hook = adapter.register_forward_hook(lambda a, args, out: q.update({args[1]: args[2]}) or
+                                         k.update({args[1]: args[3]}))
+    out = model(ids(1, 70), output_attentions=True)
+    hook.remove()
+    patterns = [focus_pattern(q[s], k[s], adapter.centroids[s].detach(), adapter.layer_config(s)) for s in (0, 1)]
+    for w, allowed in zip(out.attentions, patterns, strict=True):
+        assert w[~allowed].abs().max() == 0 and torch.allclose(w.sum(-1), torch.ones(()), atol=1e-5)
+    plain = focus_pattern(q[1], k[1], adapter.centroids[1].detach(), adapter.config)  # the config's top-k
+    assert out.attentions[1][patterns[1] & ~plain].abs().min() > 0
+
+
+@torch.no_grad()
 def test_measured_density_counts_each_layers_own_pattern():
     from test_adapter import ids
 
