@@ -178,12 +178,20 @@ def _evaluate_and_save(model: Any, adapter: Any, windows: torch.Tensor, args: ar
         "results_markdown": markdown, "command": command})
     adapter.save_pretrained(directory)
     save_results(directory, results, meta, protocol, title)
-    made = adapter.config.extra.get("trained_with")  # an evaluated copy: how the centroids were made, then this
-    shown = command if made is None else f"{made}\n# then evaluated with:\n{command}"
     with open(os.path.join(directory, "README.md"), "w", encoding="utf-8") as f:
-        f.write(model_card(adapter.config.to_dict(), repo_id=None, results_markdown=markdown, command=shown))
+        f.write(model_card(adapter.config.to_dict(), repo_id=None, results_markdown=markdown,
+                           command=_how_made(adapter.config.extra)))
     print(markdown)
     return results
+
+
+def _how_made(extra: dict[str, Any]) -> str | None:
+    """An evaluated copy's "how it was made": the commands that trained its centroids, then the perplexity
+    evaluation whose table it carries (that command may change settings, e.g. ``--layer-top-k``)."""
+    made, evaluated = extra.get("trained_with"), extra.get("command")
+    if made is None or evaluated in (None, made):
+        return made or evaluated
+    return f"{made}\n# then evaluated with:\n{evaluated}"
 
 
 # ---- retrofit ---------------------------------------------------------------------------------------
@@ -453,7 +461,7 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
     paths = save_passkey(out, results, meta, protocol)
     # The evaluated copy of the adapter: its card shows the retrieval table and heatmaps next to its perplexity.
     extra = adapter.config.extra
-    made = extra.setdefault("trained_with", extra.get("command"))
+    extra.setdefault("trained_with", extra.get("command"))
     with open(paths[PASSKEY_MD], encoding="utf-8") as f:
         heatmaps = "".join(f"\n![passkey, {name[8:-4]}]({name})\n" for name in paths if name.endswith(".png"))
         # the card's command reproduces the results without the earlier runs it resumed (a reader does not have them)
@@ -462,7 +470,7 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
     adapter.save_pretrained(out)
     with open(os.path.join(out, "README.md"), "w", encoding="utf-8") as f:
         f.write(model_card(adapter.config.to_dict(), repo_id=None, results_markdown=extra.get("results_markdown"),
-                           command=made))
+                           command=_how_made(extra)))
     print(f"results: {out}")
     return 0
 

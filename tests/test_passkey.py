@@ -266,6 +266,10 @@ def test_eval_task_passkey_resumes_runs_of_the_same_configuration_only(tmp_path,
     assert "--resume" in json.loads((both / P.PASSKEY_JSON).read_text())["command"]
     assert "--resume" not in (both / "README.md").read_text()  # the card's command runs without the earlier files
     assert "--depths 30 70 --output-dir" in (both / "README.md").read_text()
+    # how the adapter was made: its training, then the perplexity evaluation whose table (and settings) it carries
+    extra = FocusAdapter.from_pretrained(ADAPTER).config.extra
+    made = (both / "README.md").read_text().split("## How it was made")[1]
+    assert made.index(extra["trained_with"].splitlines()[0]) < made.index(extra["command"])
     fresh = {r["mode"]: r for r in rows if r["depth"] == 70}
     assert set(fresh) == {"full", "focus", "window"} and fresh["full"]["density"] == 1.0
     assert 0 < fresh["focus"]["density"] < 1
