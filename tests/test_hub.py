@@ -667,13 +667,13 @@ def test_focus_adapter_for_another_base_model(hub_server, tmp_path):
         loaded.attach(tiny_llama("org/tiny-llama-mqa", num_key_value_heads=1))
 
 
-@pytest.mark.parametrize("name,flags,center,sinks,tail,evaluated", [
+@pytest.mark.parametrize("name,flags,center,sinks,tail,wide,evaluated", [
     ("smollm2-135m-instruct-focus", ("--dense-tail 64", "--dense-decode", "--init-from", "--balance-weight 0.03"),
-     list(range(15, 30)), 4, 64,
+     list(range(15, 30)), 4, 64, [[0, 32, 4], [2, 32, 4], [6, 32, 4]],
      {"full", "focus", "soft", "window", "random"}),
-    ("smollm2-135m-instruct-focus-retrieval", ("--center", "--sinks 64"), True, 64, 0,
+    ("smollm2-135m-instruct-focus-retrieval", ("--center", "--sinks 64"), True, 64, 0, [],
      {"full", "focus", "window", "random"})])
-def test_published_adapters_are_ready_to_push_repos(name, flags, center, sinks, tail, evaluated):
+def test_published_adapters_are_ready_to_push_repos(name, flags, center, sinks, tail, wide, evaluated):
     """hub/: the adapters `focus-flex retrofit` trained (the default one centers the upper half of the layers, its
     prompt's last 64 queries and its generation steps attend every token, and its lower half was fine-tuned from that
     recipe's adapter with the balance weight at 0.03; the retrieval one centers every layer, with 64 sinks), each with
@@ -685,6 +685,7 @@ def test_published_adapters_are_ready_to_push_repos(name, flags, center, sinks, 
     d = DEFAULT_FOCUS  # made by `focus-flex retrofit` with its defaults, but for the flags
     assert (config.num_groups, config.query_top_k, config.key_top_k) == (d.num_groups, d.query_top_k, d.key_top_k)
     assert config.center == center and config.sink_tokens == sinks and config.dense_tail == tail
+    assert config.layer_top_k == wide  # the default's layers 0, 2 and 6 route queries into 32 groups (passkey.md)
     assert all(flag in config.extra["trained_with"] for flag in flags)
     # calibrated means of the centered layers, saved with the centroids (zeros for the others)
     assert table["key_means"]["shape"] == [30, 3, 64]
@@ -700,6 +701,7 @@ def test_published_adapters_are_ready_to_push_repos(name, flags, center, sinks, 
     # Both decode densely; the cards' retrieval tables were measured with the published settings.
     assert config.dense_decode is passkey["focus_config"]["dense_decode"] is True
     assert passkey["focus_config"].get("dense_tail", 0) == tail
+    assert passkey["focus_config"].get("layer_top_k", []) == wide
     passkey = passkey["results"]
     modes = {r["mode"] for r in passkey}
     assert {r["length"] for r in passkey} == {1024, 2048, 4096, 8192} and {"full", "focus"} <= modes
@@ -708,6 +710,7 @@ def test_published_adapters_are_ready_to_push_repos(name, flags, center, sinks, 
     results = json.load(open(os.path.join(folder, "results.json"), encoding="utf-8"))
     modes = {r["mode"]: r for r in results["results"]}
     assert set(modes) == evaluated  # the modes its retrofit command evaluated
+    assert results["focus_config"].get("layer_top_k", []) == wide
     assert modes["focus"]["density"] <= 0.25 and config.extra["results"]["focus"]["perplexity"] == pytest.approx(
         modes["focus"]["perplexity"], rel=1e-3)
     for baseline in ("window", "random"):  # equal-cost baselines: matched to Focus's density, tail included
