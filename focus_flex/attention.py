@@ -519,7 +519,8 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids
                if flash.supported(q.device, config) else "and the C kernels are unavailable")
         warnings.warn(f"focus_flex: with query_top_k and key_top_k both above 1 the CPU flash kernel runs in C only, "
                       f"{why}: this prefill runs on the flex kernel, several times slower (docs/speed.md). Set "
-                      "query_top_k or key_top_k to 1 for CPU speed.", RuntimeWarning, stacklevel=2)
+                      "query_top_k or key_top_k to 1 for CPU speed (for a layer listed in FocusConfig.layer_top_k, "
+                      "there, or drop the listing).", RuntimeWarning, stacklevel=2)
     if flex and not grad and q.dim() == 4 and (key_index is None or q.shape[2] > DECODE_MAX_QUERIES):  # traceable
         valid = check_inputs(q, k, v, centroids, config, attention_mask)
         out = flex_prefill(q, k, v, centroids, config, valid, q.shape[-1] ** -0.5 if scale is None else scale,

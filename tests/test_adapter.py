@@ -530,3 +530,9 @@ def test_cpu_prefill_says_when_it_cannot_use_the_flash_kernel(monkeypatch):
         with pytest.warns(RuntimeWarning, match="C kernels are unavailable.*flex kernel.*top_k to 1"):
             model(ids)
         slow.detach(model)
+    # a layer listed with both top-k above 1 (the published adapter's wide layers): the message names the listing
+    listed = FocusAdapter.for_model(model, FocusConfig(**{**one.to_dict(), "layer_top_k": [[1, 2, 2]]}))
+    listed.attach(model)
+    with pytest.warns(RuntimeWarning, match="top_k to 1 for CPU speed .for a layer listed in FocusConfig.layer_top_k"):
+        model(ids)
+    listed.detach(model)
