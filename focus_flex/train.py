@@ -653,7 +653,7 @@ def latest_checkpoint(directory: str) -> str | None:
 # Settings a resumed run may change: how long it runs and how often it reports.
 _RESUMABLE = {"steps", "eval_every", "checkpoint_every"}
 _ROUTING = ("num_groups", "query_top_k", "key_top_k", "window", "sink_tokens", "tau", "sinkhorn_iters", "layers",
-            "center")
+            "center", "layer_top_k", "dense_heads")
 
 
 def _check_resume(ckpt: str, state: dict[str, Any], saved: FocusConfig, focus: FocusConfig, tc: TrainConfig) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -138,6 +140,16 @@ def test_a_checkpoint_from_before_a_setting_existed_resumes_with_its_default():
     T._check_resume("ckpt", {"step": 2, "train_config": older}, FOCUS, FOCUS, tc)
     with pytest.raises(ValueError, match="query_mass: None there, 0.8 now"):
         T._check_resume("ckpt", {"step": 2, "train_config": older}, FOCUS, FOCUS, TrainConfig(steps=4, query_mass=0.8))
+
+
+def test_a_checkpoint_resumes_only_with_the_same_per_layer_settings():
+    """Layers with their own top-k and dense heads change what training routes: a checkpoint made with other ones
+    is refused, naming the field."""
+    tc = TrainConfig(steps=4)
+    state = {"step": 2, "train_config": tc.__dict__}
+    for field, value in (("layer_top_k", [[0, 2, 2]]), ("dense_heads", [[0, 1]])):
+        with pytest.raises(ValueError, match=rf"{field}: \[\] there, {re.escape(str(value))} now"):
+            T._check_resume("ckpt", state, FOCUS, dataclasses.replace(FOCUS, **{field: value}), tc)
 
 
 def _ddp_worker(rank: int, world: int, init_file: str, out: str, objective: str) -> None:
