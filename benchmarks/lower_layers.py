@@ -133,12 +133,17 @@ def perplexity(model: torch.nn.Module, tokenizer, adapter: FocusAdapter, args: a
     if args.adaptive_mass is not None:
         adaptive_perplexity(model, adapter, windows, args)
         return
-    for q, k in ((cfg.query_top_k, cfg.key_top_k), args.wide_top_k):
-        cfg.layer_top_k = [[layer, q, k] for layer in args.wide_layers]
-        for r in evaluate(model, adapter, windows, modes=("focus", "window"), progress=False):
-            print(f"layers {args.wide_layers} with groups per query and key {q}, {k}: {r.mode} perplexity "
-                  f"{r.perplexity:.3f}, density {100 * r.density:.1f}%", flush=True)
-    cfg.layer_top_k = []
+    own = cfg.layer_top_k
+    q, k = args.wide_top_k
+    wide = sorted([t for t in own if t[0] not in args.wide_layers] + [[layer, q, k] for layer in args.wide_layers])
+    try:
+        for name, listing in (("the adapter as it is", own),
+                              (f"layers {args.wide_layers} with groups per query and key {q}, {k}", wide)):
+            cfg.layer_top_k = listing
+            for r in evaluate(model, adapter, windows, modes=("focus", "window"), progress=False):
+                print(f"{name}: {r.mode} perplexity {r.perplexity:.3f}, density {100 * r.density:.1f}%", flush=True)
+    finally:
+        cfg.layer_top_k = own
 
 
 def adaptive_perplexity(model: torch.nn.Module, adapter: FocusAdapter, windows: torch.Tensor,

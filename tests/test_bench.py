@@ -629,6 +629,36 @@ def test_passkey_oracle_moment_summaries_of_single_keys_are_full_attention():
         pass
 
 
+@pytest.mark.slow
+def test_lower_layers_perplexity_compares_the_adapter_as_it_is_with_its_wide_layers(smollm2, capsys):
+    """``lower_layers perplexity``: first the adapter as it is (its own ``layer_top_k`` included), then with the
+    queries of ``--wide-layers`` in ``--wide-top-k`` groups; the adapter's listing is its own again afterwards."""
+    import argparse
+
+    from benchmarks.lower_layers import perplexity
+    from focus_flex import FocusAdapter
+    from focus_flex.data import load_documents, token_windows
+    from focus_flex.evaluate import evaluate
+
+    model, tokenizer = smollm2
+    adapter = FocusAdapter.from_pretrained("hub/smollm2-135m-instruct-focus")
+    own = [[0, 32, 4], [2, 32, 4]]
+    adapter.config.layer_top_k = own
+    args = argparse.Namespace(context=512, eval_windows=1, adaptive_mass=None, wide_layers=[2, 3], wide_top_k=[8, 4])
+    perplexity(model, tokenizer, adapter, args)
+    lines = capsys.readouterr().out.splitlines()
+    assert adapter.config.layer_top_k == own
+    windows = token_windows(load_documents(None, "eval"), tokenizer, 512, max_windows=1)
+    as_is = evaluate(model, adapter, windows, modes=("focus",), progress=False)[0]
+    assert lines[0] == f"the adapter as it is: focus perplexity {as_is.perplexity:.3f}, density " \
+                       f"{100 * as_is.density:.1f}%"
+    adapter.config.layer_top_k = [[0, 32, 4], [2, 8, 4], [3, 8, 4]]  # layer 0 kept, 2 and 3 at the wide top-k
+    wide = evaluate(model, adapter, windows, modes=("focus",), progress=False)[0]
+    assert lines[2] == f"layers [2, 3] with groups per query and key 8, 4: focus perplexity {wide.perplexity:.3f}, " \
+                       f"density {100 * wide.density:.1f}%"
+    assert lines[0] != lines[2].replace("layers [2, 3] with groups per query and key 8, 4", "the adapter as it is")
+
+
 def test_lower_layers_attribution_is_the_first_order_change_of_the_keys_logprob(smollm2):
     """``lower_layers attribution`` (:func:`benchmarks.lower_layers.layer_changes`) on the embedded model and the
     published adapter: a layer's first-order change equals the central difference of the target's log-probability
