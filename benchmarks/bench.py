@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default="bench-results", help="where bench.md, bench.json and bench.png go")
     focus = "(op; prefill/decode too when they fall back to k-means centroids)"
     p.add_argument("--groups", type=int, default=16, help=f"Focus groups per KV head {focus}")
-    p.add_argument("--top-k", type=int, default=1, help=f"groups per query and key {focus}")
+    p.add_argument("--top-k", type=int, default=1, help=f"groups per query (and per key unless --key-top-k) {focus}")
+    p.add_argument("--key-top-k", type=int, default=None, help=f"groups per key (default: --top-k) {focus}")
     p.add_argument("--window", type=int, default=256, help=f"sliding window {focus}")
     p.add_argument("--sinks", type=int, default=4, help=f"attention sinks {focus}")
     p.add_argument("--block-size", type=int, default=64, help="FlexAttention tile of the fast path")
@@ -125,7 +126,8 @@ def _cli(args: argparse.Namespace) -> int:
         run_bench(lengths=args.lengths, dtypes=args.dtypes, repeats=args.repeats, sections=args.sections,
                   output_dir=args.output_dir, prefill_lengths=args.prefill_lengths,
                   decode_lengths=args.decode_lengths, decode_tokens=args.decode_tokens, groups=args.groups,
-                  top_k=args.top_k, window=args.window, sinks=args.sinks, block_size=args.block_size,
+                  top_k=args.top_k, key_top_k=args.key_top_k, window=args.window, sinks=args.sinks,
+                  block_size=args.block_size,
                   model_dtype=args.model_dtype, adapter=args.adapter, max_seconds=args.max_seconds,
                   flex_causal_max=args.flex_causal_max, guard_length=args.guard_length, target=args.target,
                   command=" ".join([prog, *sys.argv[1:]]))
@@ -141,7 +143,8 @@ def _cli(args: argparse.Namespace) -> int:
 def run_bench(*, lengths: Sequence[int] = (4096, 8192, 16384, 32768), dtypes: Sequence[str] = ("float32", "bfloat16"),
               repeats: int = 3, sections: Sequence[str] = SECTIONS, output_dir: str | os.PathLike = "bench-results",
               prefill_lengths: Sequence[int] = (4096, 8192, 16384), decode_lengths: Sequence[int] = (8192, 32768),
-              decode_tokens: int = 8, groups: int = 16, top_k: int = 1, window: int = 256, sinks: int = 4,
+              decode_tokens: int = 8, groups: int = 16, top_k: int = 1, key_top_k: int | None = None,
+              window: int = 256, sinks: int = 4,
               block_size: int = 64, model_dtype: str = "float32", adapter: str | None = None,
               max_seconds: float = 60.0, flex_causal_max: int = 16384, guard_length: int = 8192,
               target: str = "native", command: str = "",
@@ -158,7 +161,8 @@ def run_bench(*, lengths: Sequence[int] = (4096, 8192, 16384, 32768), dtypes: Se
                          f"{tuple(TOLERANCE)}")
     if target != "native" and target not in EMULATE:
         raise BenchError(f"unknown target {target!r}; choose native or one of {tuple(EMULATE)}")
-    focus = {"num_groups": groups, "query_top_k": top_k, "key_top_k": top_k, "window": window,
+    focus = {"num_groups": groups, "query_top_k": top_k, "key_top_k": top_k if key_top_k is None else key_top_k,
+             "window": window,
              "sink_tokens": sinks, "block_size": block_size}
     started = time.time()
     results: dict[str, Any] = {"machine": {**machine_info(), "target": target}, "command": command, "focus": focus,
@@ -419,7 +423,7 @@ def kernel_label(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Any) ->
 
 
 def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    from focus_flex import attention, flash, masks, native, routing
+    from focus_flex import attention, evaluate, flash, masks, native, routing
     from focus_flex import plan as fplan
     from focus_flex.config import FocusConfig
     from focus_flex.threads import small_work
@@ -448,6 +452,16 @@ def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     fused = kernel == "flash" and native.prefill_applies(q, k, v)
+
+    def two_passes() -> torch.Tensor:  # one pass's baseline: the same C kernel over a copy of each query per group
+        out = torch.empty_like(q)
+        for j in range(HKV):
+            hs = slice(j * rep, (j + 1) * rep)
+            qg = routing.hard_groups(q[:, hs], c[j:j + 1], cfg.query_top_k)[0]
+            kg = routing.hard_groups(k[:, j:j + 1], c[j:j + 1], cfg.key_top_k)[0, 0]
+            native.prefill(q[0, hs], k[0, j], v[0, j], native.prefill_plan(qg, kg, cfg, one_pass=False), cfg, scale,
+                           out[0, hs], threads)
+        return out
 
     def window() -> Any:  # window + sinks only: the default kernel without a far pair
         if kernel == "flash":
@@ -481,6 +495,8 @@ def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
     methods = {"focus": focus, "sdpa": sdpa, "focus_flex": focus_flex, "window": window}
     if fused:
         methods["fallback"] = fallback
+    if fused and cfg.one_pass:
+        methods["two_passes"] = two_passes
     if kernel == "flex":
         del methods["focus_flex"]
     if spec.get("flex_causal"):
@@ -502,7 +518,9 @@ def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
     res["recompiles_after_warmup"] = _unique_graphs() - graphs
     p = attention.plan_attention(q, k, c, cfg, valid=valid)  # the block-sparse limit, whichever kernel runs
     res["density"] = p.density(attention.causal_blocks(n, bs))
-    res["pair_density"] = pair_density(n, cfg, p.far.pairs / HQ)
+    q_member = routing.hard_membership(q, c, cfg.query_top_k)
+    k_member = routing.hard_membership(k, c, cfg.key_top_k)
+    res["pair_density"] = evaluate.pattern_density(q_member, k_member, cfg.window, cfg.sink_tokens).mean().item()
     return res
 
 
@@ -893,7 +911,7 @@ def _op_row(r: dict[str, Any]) -> dict[str, Any]:
            "speedup": s / f, "ideal": ideal, "fraction": s / f / ideal, "plan": r["plan"]["min"],
            "plan_share": r["plan"]["min"] / f, "window": t["window"]["min"], "density": r["density"],
            "pair_density": r.get("pair_density"), "first_call": r.get("flex_first_call_s", r["first_call_s"])}
-    for name in ("flex_causal", "focus_flex", "fallback"):
+    for name in ("flex_causal", "focus_flex", "fallback", "two_passes"):
         if name in t:
             row[name] = t[name]["min"]
     return row
@@ -961,8 +979,9 @@ def to_markdown(results: dict[str, Any]) -> str:
              + (f"C kernels: {m.get('kernels_built', '?')}.  " if m.get("target", "native") == "native" else
                 f"**Run as a `{m['target']}` CPU** (C kernels built for it; PyTorch capped to its instructions: "
                 f"{', '.join(f'{k}={v}' for k, v in EMULATE[m['target']].items())}).  "),
-             f"Focus: G={f['num_groups']}, top-k {f['query_top_k']}, window {f['window']}, {f['sink_tokens']} sinks, "
-             f"block {f['block_size']}. Times are min over repeats (median in JSON); ratios are baseline / Focus, "
+             f"Focus: G={f['num_groups']}, top-k {f['query_top_k']} (queries) / {f['key_top_k']} (keys), "
+             f"window {f['window']}, {f['sink_tokens']} sinks, block {f['block_size']}. Times are min over repeats "
+             "(median in JSON); ratios are baseline / Focus, "
              f"measured side by side in the same process.", ""]
     if results.get("command"):
         lines += [f"Command: `{results['command']}`", ""]
@@ -975,18 +994,21 @@ def to_markdown(results: dict[str, Any]) -> str:
                   f"Focus runs the default kernel ({', '.join(kernels)}); `Focus flex` is the same attention on the "
                   "block-sparse compiled-FlexAttention kernel. The ideal speedup is causal blocks / computed blocks "
                   "of the block-sparse pattern; pair density is allowed pairs / causal pairs. `PyTorch fallback` is "
-                  "the default kernel without the C kernels (`FOCUS_FLEX_NATIVE=0`).", "",
-                  "| dtype | N | kernel | Focus ms | SDPA ms | x SDPA | PyTorch fallback ms | Focus flex ms | "
-                  "flex causal ms | window-only ms | block density (local+far) | ideal x | % of ideal | pair density | "
-                  "routing+plan ms (% of Focus) | flex first call s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "the default kernel without the C kernels (`FOCUS_FLEX_NATIVE=0`). Where queries and keys join so "
+                  "many groups that the C kernel runs one pass (`FocusConfig.one_pass`), `two passes` is the same "
+                  "kernel over a copy of each query per group.", "",
+                  "| dtype | N | kernel | Focus ms | SDPA ms | x SDPA | PyTorch fallback ms | two passes ms | "
+                  "Focus flex ms | flex causal ms | window-only ms | block density (local+far) | ideal x | "
+                  "% of ideal | pair density | routing+plan ms (% of Focus) | flex first call s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in map(_op_row, results["op"]):
             d = row["density"]
-            ff, fc, fb = row.get("focus_flex"), row.get("flex_causal"), row.get("fallback")
+            ff, fc, fb, tp = row.get("focus_flex"), row.get("flex_causal"), row.get("fallback"), row.get("two_passes")
             pd = row["pair_density"]
             lines.append(f"| {row['dtype']} | {row['n']} | {row['kernel']} | {_ms(row['focus'])} | "
                          f"{_ms(row['sdpa'])} | "
-                         f"{row['speedup']:.2f} | {_ms(fb) if fb else '-'} | {_ms(ff) if ff else '-'} | "
+                         f"{row['speedup']:.2f} | {_ms(fb) if fb else '-'} | {_ms(tp) if tp else '-'} | "
+                         f"{_ms(ff) if ff else '-'} | "
                          f"{_ms(fc) if fc else '-'} | "
                          f"{_ms(row['window'])} | {d['local']:.3f}+{d['far']:.3f}={d['total']:.3f} | "
                          f"{row['ideal']:.1f} | {row['fraction']:.0%} | {f'{pd:.3f}' if pd else '-'} | "

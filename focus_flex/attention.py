@@ -332,21 +332,27 @@ def _local_score(q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, plan: Lo
     return (best * scale).flatten(1, 2)
 
 
+def _local_queries(x: torch.Tensor, plan: LocalPlan) -> torch.Tensor:
+    """``[B, H, Lq, D]`` -> the local layout's query slots ``[B, H, q_len, D]`` (query i in slot ``offset + i``)."""
+    return F.pad(x, (0, 0, plan.offset, plan.q_len - plan.offset - x.shape[2]))
+
+
+def _local_keys(x: torch.Tensor, plan: LocalPlan) -> torch.Tensor:
+    """``[B, Hkv, Lk, D]`` -> the local layout's key slots ``[B, Hkv, kv_len, D]``: the sinks' copies, then the
+    tokens."""
+    lk, s = x.shape[2], plan.sinks.shape[1]
+    sinks = x.gather(2, plan.sinks.clamp_max(lk - 1)[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[-1]))
+    return torch.cat([F.pad(sinks, (0, 0, 0, plan.sink_slots - s)),
+                      F.pad(x, (0, 0, 0, plan.kv_len - plan.sink_slots - lk))], 2)
+
+
 def local_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, plan: LocalPlan,
                config: FocusConfig, scale: float) -> Part:
     """The local call (window + sinks), all heads at once, as a :class:`Part` ``[B, Hq, q_len, ...]`` in the plan's
     query slots (query i in slot ``plan.offset + i``; kept padded, so that a
     ``torch.compile`` trace with a dynamic length never asks whether a slice is the whole tensor)."""
-    lq, d, lk, s = q.shape[2], q.shape[3], k.shape[2], config.sink_tokens
-
-    def queries(x: torch.Tensor) -> torch.Tensor:
-        return F.pad(x, (0, 0, plan.offset, plan.q_len - plan.offset - lq))
-
-    def keys(x: torch.Tensor) -> torch.Tensor:  # [B, Hkv, Lk, D] -> the layout: sinks' copies, then the tokens
-        sinks = x.gather(2, plan.sinks.clamp_max(lk - 1)[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[-1]))
-        return torch.cat([F.pad(sinks, (0, 0, 0, plan.sink_slots - s)),
-                          F.pad(x, (0, 0, 0, plan.kv_len - plan.sink_slots - lk))], 2)
-
+    d = q.shape[3]
+    queries, keys = (lambda x: _local_queries(x, plan)), (lambda x: _local_keys(x, plan))
     if plan.extra is None:
         out, lse = _flex(queries(q), keys(k), keys(v), plan.mask, scale, lse=True)
         return Part(out, None, lse)
@@ -414,7 +420,8 @@ def plan_attention(q: torch.Tensor, k: torch.Tensor, centroids: torch.Tensor, co
 
 def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor, config: FocusConfig,
                  valid: torch.Tensor, scale: float, centering: routing.Centering | None = None) -> torch.Tensor:
-    """Focus attention as two FlexAttention calls over all heads, merged: ``[B, Hq, Lq, D]``.
+    """Focus attention as two FlexAttention calls over all heads, merged: ``[B, Hq, Lq, D]`` (one pass,
+    :attr:`FocusConfig.one_pass`: one call over the tokens in order under the whole pattern).
 
     Routing, the plan, both calls and the merge are tensor ops with shapes fixed by (batch, heads, length bucket):
     no host synchronisation, and the whole function traces under ``torch.compile(fullgraph=True)``. Called eagerly,
@@ -425,10 +432,15 @@ def flex_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: t
     # Eagerly on CPU, everything but the two kernels is many small ops: one thread (in a trace: the caller's threads).
     with contextlib.nullcontext() if torch.compiler.is_compiling() else small_work(q.device):
         plan = plan_attention(*routed(q, k, valid, centering), centroids, config, valid=valid)
-        local = local_part(q, k, v, valid, plan.local, config, scale)
-        far = far_part(q, k, v, plan.far, local.lse, plan.local.offset, scale)
         rows = F.pad(valid[:, lk - lq:], (plan.local.offset, plan.local.q_len - plan.local.offset - lq))
-        out = merge(local, far, plan.far.q_src + plan.local.offset, rows, q.shape[-1])  # in the local query slots
+        if plan.far is None:  # one pass
+            lay = plan.local
+            out, _ = _flex(_local_queries(q, lay), _local_keys(k, lay), _local_keys(v, lay), lay.mask, scale, False)
+            out = out.masked_fill(~rows[:, None, :, None], 0)
+        else:
+            local = local_part(q, k, v, valid, plan.local, config, scale)
+            far = far_part(q, k, v, plan.far, local.lse, plan.local.offset, scale)
+            out = merge(local, far, plan.far.q_src + plan.local.offset, rows, q.shape[-1])  # in the local query slots
         # The queries' slots, copied out (a slice would be the whole tensor for one length of the bucket: a trace
         # with a dynamic length would specialise on it).
         return out.index_select(2, torch.arange(lq, device=q.device) + plan.local.offset).to(q.dtype)

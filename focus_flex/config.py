@@ -159,6 +159,14 @@ class FocusConfig:
                 return dataclasses.replace(self, query_top_k=q, key_top_k=k, layer_top_k=[])
         return self
 
+    @property
+    def one_pass(self) -> bool:
+        """Whether a prefill runs this configuration as one causal pass that tests the query's and the key's group
+        bitmasks beyond the window, instead of a local pass and a far pass over a copy of each query per group: where
+        queries and keys join so many groups (``query_top_k * key_top_k >= num_groups``) that the copies would
+        compute a far pair about once per group it shares, at more than a dense layer's work (docs/speed.md)."""
+        return self.query_top_k * self.key_top_k >= self.num_groups
+
     def dense_kv_heads(self, layer: int) -> list[int]:
         """The KV heads of Focus layer ``layer`` whose query heads attend every earlier key (``dense_heads``)."""
         return [h for a, h in self.dense_heads if a == layer]

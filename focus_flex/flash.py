@@ -16,7 +16,10 @@ Per batch row (padding dropped) and KV head, with its query heads stacked, two p
 Where it builds (:mod:`focus_flex.native`), ``csrc/prefill.c`` runs both parts in one call per batch row and KV head:
 every computed pair is one in registers, the far plan is two counting sorts, the far part merges into the local
 part's output in place, and the only buffers are a log-sum-exp per row, the plan's integer lists and a few tiles per
-thread; a pair sharing several groups (query and key top-k both above 1) is computed in the first of them.
+thread; a pair sharing several groups (query and key top-k both above 1) is computed in the first of them, and where
+queries and keys join so many groups that copies would visit a pair about once or more per shared group
+(:attr:`FocusConfig.one_pass <focus_flex.config.FocusConfig.one_pass>`) both parts are one causal pass that tests the
+group bitmasks.
 Elsewhere (no C compiler, float16, a head dim that is not a multiple of 16 or above 256) the same parts run as chunks
 of PyTorch's CPU flash attention, which returns the log-sum-exp:
 

@@ -60,9 +60,9 @@ ROUTE_MIN_BITS = 256  # routing.c runs where the build's vectors are at least th
 DECODE_MIN_BITS = 256  # the C decode step too (with 128-bit vectors PyTorch's step is faster: docs/speed.md)
 _P, _I, _F, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _DECODE_ARGS = (_I, _I, _I, _P, _P, _F, _P, _P, _I, _P, _P, _I, _N, _P, _P, _P, _I, _I, _I, _I, _N, _P)
-_PLAN_ARGS = (_I, _I, _I, _I, _I, _I, _P, _I, _P, _I) + (_P,) * 9
+_PLAN_ARGS = (_I, _I, _I, _I, _I, _I, _P, _I, _P, _I, _N) + (_P,) * 9
 _PREFILL_ARGS = ((_I, _I, _I, _I, _P, _I, _I, _P, _I, _P, _I, _P, _I, _I, _N, _F, _I, _I, _I, _I) + (_P,) * 9
-                 + (_I, _N, _P))
+                 + (_I, _N, _N, _P))
 
 
 def _cpu() -> bytes:
@@ -275,7 +275,8 @@ class PrefillPlan(NamedTuple):
     see a far key, ascending by position, as (flat row ``head * Lq + query``, number of its group's keys it sees)
     (``crow``/``chi``, from ``cstart[g]``); and tiles of them, ``tiles[ctiles[g]:ctiles[g + 1]]`` as ``[c0, c1)``.
     With query and key top-k both above 1 a pair can share several groups; the kernel computes it in the first, by
-    the rows' and keys' group bitmasks ``qbits``/``kbits``.
+    the rows' and keys' group bitmasks ``qbits``/``kbits``. With ``one_pass`` (:attr:`FocusConfig.one_pass`) the
+    kernel tests those bitmasks in one causal pass, and the lists are empty.
     """
 
     kstart: torch.Tensor  # [G + 1] int64
@@ -285,35 +286,48 @@ class PrefillPlan(NamedTuple):
     chi: torch.Tensor  # [R * Lq * kq] int32
     ctiles: torch.Tensor  # [G + 1] int64
     tiles: torch.Tensor  # [R * Lq * kq, 2] int32
-    qbits: torch.Tensor  # [R * Lq] int64 (empty unless query and key top-k are both above 1)
+    qbits: torch.Tensor  # [R * Lq] int64 (empty unless query and key top-k are both above 1, or one pass)
     kbits: torch.Tensor  # [Lk] int64 (the same)
     query_top_k: int
     key_top_k: int
+    one_pass: bool
     shape: tuple[int, int, int]  # (R, Lq, Lk) it was planned for
     pattern: tuple[int, int, int]  # (groups, window, sinks) it was planned for, window and sinks capped at Lk + 1
 
     @property
     def pairs(self) -> int:
         """Far (query, key) pairs the plan lists (copies without far keys are left 0); with query and key top-k both
-        above 1, a pair sharing s groups is listed s times (and computed once)."""
-        return int(self.chi.long().sum())
+        above 1, a pair sharing s groups is listed s times (and computed once); in one pass, the far pairs whose
+        group bitmasks meet, counted a diagonal at a time (for statistics only)."""
+        if not self.one_pass:
+            return int(self.chi.long().sum())
+        (r, lq, lk), (_, w, s) = self.shape, self.pattern
+        q_bits, start, total = self.qbits.view(r, lq), lk - lq, 0
+        for d in range(w, lk - s):  # key j = p - d of the query at position p = start + i, past the sinks
+            i0 = max(0, s + d - start)
+            if i0 < lq:
+                total += int(((q_bits[:, i0:] & self.kbits[start + i0 - d:lk - d]) != 0).sum())
+        return total
 
 
-def prefill_plan(q_groups: torch.Tensor, k_groups: torch.Tensor, config: FocusConfig) -> PrefillPlan:
+def prefill_plan(q_groups: torch.Tensor, k_groups: torch.Tensor, config: FocusConfig,
+                 one_pass: bool | None = None) -> PrefillPlan:
     """The far plan for queries routed to ``q_groups`` ``[R, Lq, kq]`` (positions ``[Lk - Lq, Lk)``) and keys routed
-    to ``k_groups`` ``[Lk, kk]``, one unpadded sequence and KV head. Needs :func:`library`."""
+    to ``k_groups`` ``[Lk, kk]``, one unpadded sequence and KV head. ``one_pass``: plan for one pass or two (None:
+    :attr:`FocusConfig.one_pass`; either gives the same attention). Needs :func:`library`."""
     (r, lq, kq), (lk, kk), g = q_groups.shape, k_groups.shape, config.num_groups
     qg, kg = q_groups.long().contiguous(), k_groups.long().contiguous()
-    copies, shared = r * lq * kq, kq > 1 and kk > 1
+    one_pass = config.one_pass if one_pass is None else one_pass
+    lists, bits = not one_pass, one_pass or (kq > 1 and kk > 1)
+    copies, keys, heads = r * lq * kq * lists, lk * kk * lists, (g + 1) * lists
     pattern = _pattern(config, lk)
-    plan = PrefillPlan(torch.empty(g + 1, dtype=torch.long), torch.empty(lk * kk, dtype=torch.int32),
-                       torch.empty(g + 1, dtype=torch.long), torch.zeros(copies, dtype=torch.int32),
-                       torch.zeros(copies, dtype=torch.int32), torch.empty(g + 1, dtype=torch.long),
-                       torch.empty(copies, 2, dtype=torch.int32),
-                       torch.empty(r * lq if shared else 0, dtype=torch.long),
-                       torch.empty(lk if shared else 0, dtype=torch.long), kq, kk, (r, lq, lk), pattern)
+    plan = PrefillPlan(torch.empty(heads, dtype=torch.long), torch.empty(keys, dtype=torch.int32),
+                       torch.empty(heads, dtype=torch.long), torch.zeros(copies, dtype=torch.int32),
+                       torch.zeros(copies, dtype=torch.int32), torch.empty(heads, dtype=torch.long),
+                       torch.empty(copies, 2, dtype=torch.int32), torch.empty(r * lq * bits, dtype=torch.long),
+                       torch.empty(lk * bits, dtype=torch.long), kq, kk, one_pass, (r, lq, lk), pattern)
     code = library().focus_prefill_plan(r, lq, lk, pattern[1], pattern[2], g, qg.data_ptr(), kq,
-                                        kg.data_ptr(), kk, *(x.data_ptr() for x in plan[:9]))
+                                        kg.data_ptr(), kk, one_pass, *(x.data_ptr() for x in plan[:9]))
     _check(code, "prefill plan")
     return plan
 
@@ -344,7 +358,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PrefillPlan
         r, lq, k.shape[0], d, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), v.data_ptr(),
         v.stride(0), out.data_ptr(), out.stride(0), out.stride(1), q.dtype == torch.bfloat16, scale, plan.pattern[1],
         plan.pattern[2], plan.pattern[0], plan.query_top_k, *(x.data_ptr() for x in plan[:9]), plan.key_top_k,
-        max(1, threads), lse.data_ptr())
+        plan.one_pass, max(1, threads), lse.data_ptr())
     _check(code, "prefill")
 
 

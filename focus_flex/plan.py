@@ -8,6 +8,9 @@ All batch rows and heads are planned at once.
   queries shifted by less than a block so that query blocks line up with key blocks. Each (query block, key block)
   tile is classed from per-block position ranges as skipped, partial or full
   (:func:`~focus_flex.masks.tile_block_mask`), so padding anywhere (left, right, holes) only costs its blocks.
+  In one pass (:attr:`~focus_flex.config.FocusConfig.one_pass`: queries and keys in so many groups that a far pair
+  shares about one or more) this call is the whole pattern: its mask also keeps far pairs whose group bitmasks meet,
+  over every causal tile, and there is no far call.
 * **far** (:class:`FarPlan`) — one copy of a token per group it is in, sorted by (group, position) per head; query
   copy i may see the key slots ``[lo_i, hi_i)`` (its group, beyond the window, past the sinks), found by
   ``searchsorted``. A query block computes the hull of its rows' ranges; blocks inside every row's range are full.
@@ -31,6 +34,7 @@ from focus_flex.masks import (
     NO_KEY,
     at_positions,
     block_density,
+    causal,
     far_mask_mod,
     first_shared_group,
     key_flag,
@@ -125,32 +129,36 @@ class FarPlan:
 
 @dataclass
 class FocusPlan:
-    """Both flex calls' layouts and block masks."""
+    """Both flex calls' layouts and block masks (one pass: the local call's only, ``far`` None)."""
 
     local: LocalPlan
-    far: FarPlan
+    far: FarPlan | None
 
     @property
     def local_mask(self) -> BlockMask:
         return self.local.mask
 
     @property
-    def far_mask(self) -> BlockMask:
-        return self.far.mask
+    def far_mask(self) -> BlockMask | None:
+        return None if self.far is None else self.far.mask
 
     def density(self, causal_blocks: float) -> dict[str, float]:
         """Computed blocks per (batch, head) relative to ``causal_blocks``, for each call and in total."""
-        local, far = block_density(self.local.mask, causal_blocks), block_density(self.far.mask, causal_blocks)
+        local = block_density(self.local.mask, causal_blocks)
+        far = 0.0 if self.far is None else block_density(self.far.mask, causal_blocks)
         return {"local": local, "far": far, "total": local + far}
 
 
-def local_plan(valid: torch.Tensor, lq: int, config: FocusConfig, extra_key: bool) -> LocalPlan:
+def local_plan(valid: torch.Tensor, lq: int, config: FocusConfig, extra_key: bool,
+               members: tuple[torch.Tensor, torch.Tensor] | None = None) -> LocalPlan:
     """Plan the local call (window + sinks) of the last ``lq`` of the ``[B, Lk]`` tokens ``valid`` marks real.
 
     The sinks are copied into the first key block (with the extra key), where every query block finds them in one
     partial tile; in the token slots they are empty. Tiles are classed from per-block ranges of the positions they
     hold (conservatively: a computed tile may hold no allowed pair where padding leaves holes; a full tile never
-    holds a forbidden pair of real tokens).
+    holds a forbidden pair of real tokens). With ``members``, the group bitmasks of the queries ``[B, Hq, Lq]`` and
+    keys ``[B, Hkv, Lk]``, the call is the whole pattern (one pass): far pairs whose bitmasks meet are kept too, and
+    every causal tile is computed.
     """
     bs, w, s = config.block_size, config.window, config.sink_tokens
     b, lk = valid.shape
@@ -178,8 +186,15 @@ def local_plan(valid: torch.Tensor, lq: int, config: FocusConfig, extra_key: boo
     some = (kmin <= qmax) & ((kmax > qmin - w) | (kmin < s))
     # Every pair of real tokens allowed: all keys real, causal for all pairs, window (or sinks) for all pairs.
     full = every & (qmax >= 0) & (kmax <= qmin) & ((qmax - kmin < w) | (kmax < s))
-    partial = some & ~full
     mod = at_positions(local_mask_mod(w, s), q_pos, k_pos)
+    if members is not None:  # one pass: every causal tile, far pairs of a shared group too
+        some = kmin <= qmax
+        q_member, k_member = members
+        q_member = F.pad(q_member, (offset, q_len - offset - lq))
+        k_member = _pad_to(F.pad(k_member, (sink_slots, 0)), kv_len, 2)
+        k_member = k_member.repeat_interleave(q_member.shape[1] // k_member.shape[1], 1)
+        mod = or_masks(mod, and_masks(at_positions(causal, q_pos, k_pos), same_group(q_member, k_member)))
+    partial = some & ~full
     extra = None
     if extra_key:
         extra = s
@@ -261,6 +276,11 @@ def far_plan(q_groups: torch.Tensor, k_groups: torch.Tensor, valid: torch.Tensor
 
 def focus_plan(q_groups: torch.Tensor, k_groups: torch.Tensor, valid: torch.Tensor, config: FocusConfig,
                extra_key: bool) -> FocusPlan:
-    """Both calls' plans from the groups of the queries ``[B, Hq, Lq, kq]`` and keys ``[B, Hkv, Lk, kk]``."""
+    """Both calls' plans from the groups of the queries ``[B, Hq, Lq, kq]`` and keys ``[B, Hkv, Lk, kk]``; one
+    pass (:attr:`FocusConfig.one_pass`): the local call's, holding the whole pattern (no extra key: nothing to
+    merge)."""
+    if config.one_pass:
+        members = (routing.membership(q_groups), routing.membership(k_groups))
+        return FocusPlan(local_plan(valid, q_groups.shape[2], config, False, members), None)
     return FocusPlan(local_plan(valid, q_groups.shape[2], config, extra_key),
                      far_plan(q_groups, k_groups, valid, config, extra_key))

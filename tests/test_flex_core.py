@@ -91,10 +91,13 @@ def test_host_sync_counter_counts():
                          "aten.repeat_interleave.Tensor": 1}
 
 
-def test_flex_prefill_makes_no_host_sync_and_two_flex_calls(monkeypatch):
+@pytest.mark.parametrize("key_top_k", [1, 2], ids=["two calls", "one pass"])
+def test_flex_prefill_makes_no_host_sync_and_two_flex_calls(key_top_k, monkeypatch):
     """After warm-up, a padded GQA prefill with top-2 queries is routed, planned, computed and merged without a single
-    op that would synchronise with the host, in two flex calls over all heads."""
-    cfg = FocusConfig(num_groups=4, query_top_k=2, window=16, sink_tokens=2, block_size=32)
+    op that would synchronise with the host, in two flex calls over all heads; with keys in two of the four groups
+    too (``one_pass``), in one call."""
+    cfg = FocusConfig(num_groups=4, query_top_k=2, key_top_k=key_top_k, window=16, sink_tokens=2, block_size=32)
+    assert cfg.one_pass == (key_top_k == 2)
     q, k, v, c, mask = make(2, 4, 2, 100, 100, pad=13)
     focus_attention(q, k, v, c, cfg, attention_mask=mask, kernel="flex")  # warm-up: probes, compiles
     calls = []
@@ -111,7 +114,7 @@ def test_flex_prefill_makes_no_host_sync_and_two_flex_calls(monkeypatch):
     with HostSyncs() as syncs:
         out = focus_attention(q, k, v, c, cfg, attention_mask=mask, kernel="flex")
     assert not syncs.ops, f"host syncs in the flex prefill: {dict(syncs.ops)}"
-    assert [s[1] for s in calls] == [4, 4]  # local and far, each over all query heads
+    assert [s[1] for s in calls] == [4] * (1 if cfg.one_pass else 2)  # local and far, each over all query heads
     assert max_diff(out, reference_attention(q, k, v, c, cfg, attention_mask=mask)) <= 1e-4
 
 
@@ -122,6 +125,8 @@ CASES = [
     (2, 4, 2, 90, 90, 2, 1, 16, 0, 0, False, None),  # top-2 queries, no sinks
     (1, 2, 2, 120, 120, 3, 2, 8, 3, 0, False, None),  # top-3 / top-2: pairs must not be counted twice
     (2, 2, 1, 60, 60, 2, 2, 500, 1, 5, False, None),  # window larger than L
+    (2, 4, 2, 77, 77, 4, 2, 16, 2, 13, True, None),  # one pass (top-k product = groups), padding everywhere
+    (2, 4, 2, 40, 100, 8, 1, 16, 2, 9, False, None),  # one pass, chunked: every query in every group
     (2, 4, 2, 40, 100, 1, 1, 16, 2, 9, False, None),  # chunked prefill: 40 new queries on a 100-token cache
     (1, 4, 1, 70, 70, 1, 3, 4, 0, 0, False, None),  # MQA, keys in three groups
     (1, 2, 1, 100, 100, 1, 1, 8, 2, 0, False, "high"),  # every lse ~ 200: far beyond a zero-score extra key's range
@@ -131,12 +136,13 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
 def test_flex_lse_route_matches_reference(case, eager_flex_lse):
-    """Where flex returns the log-sum-exp, the calls use it (no extra key)."""
+    """Where flex returns the log-sum-exp, the calls use it (no extra key); one pass has one call."""
     b, hq, hkv, lq, lk, kq, kk, w, s, pad, hole, logits = case
-    cfg = FocusConfig(num_groups=4, query_top_k=kq, key_top_k=kk, window=w, sink_tokens=s, block_size=32)
-    q, k, v, c, mask = make(b, hq, hkv, lq, lk, pad=pad, hole=hole, logits=logits)
+    cfg = FocusConfig(num_groups=8, query_top_k=kq, key_top_k=kk, window=w, sink_tokens=s, block_size=32)
+    q, k, v, c, mask = make(b, hq, hkv, lq, lk, g=8, pad=pad, hole=hole, logits=logits)
     plan = attention.plan_attention(q, k, c, cfg, valid=torch.ones(b, lk, dtype=torch.bool))
-    assert plan.local.extra is None and plan.far.extra is None
+    assert plan.local.extra is None and (plan.far is None) == cfg.one_pass == (kq * kk >= 8)
+    assert plan.far is None or plan.far.extra is None
     out = focus_attention(q, k, v, c, cfg, attention_mask=mask, kernel="flex")
     assert max_diff(out, reference_attention(q, k, v, c, cfg, attention_mask=mask)) <= 1e-4
 
@@ -172,10 +178,11 @@ def test_mask_mods_draw_the_focus_pattern():
     assert torch.equal(create_mask(mod, 1, 2, 40, 40, device="cpu"), focus_pattern(q, k, c, cfg))
 
 
-def test_fullgraph_compile_without_recompiles_within_a_bucket():
+@pytest.mark.parametrize("top_k", [1, 2], ids=["two calls", "one pass"])
+def test_fullgraph_compile_without_recompiles_within_a_bucket(top_k):
     """A Focus layer's flex prefill compiles whole (``fullgraph=True``: no graph break); with the length dynamic,
     lengths within one bucket reuse that graph; dynamo's global limits are left as they were."""
-    cfg = FocusConfig(num_groups=4, window=16, sink_tokens=2, block_size=32)
+    cfg = FocusConfig(num_groups=4, query_top_k=top_k, key_top_k=top_k, window=16, sink_tokens=2, block_size=32)
     limits = (torch._dynamo.config.recompile_limit, torch._dynamo.config.accumulated_recompile_limit)
 
     def layer(q, k, v, c, mask):

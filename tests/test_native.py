@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from focus_flex import FocusConfig, flash, focus_attention, native, reference_attention, routing
+from focus_flex.attention import focus_pattern
 from focus_flex.decode import KeyIndex, _far_end, _one_group_attention
 
 
@@ -140,6 +141,7 @@ WIDTHS = """if True:
     from focus_flex import FocusConfig, focus_attention, native, reference_attention
     from focus_flex.decode import KeyIndex
     cfg = FocusConfig(num_groups=5, window=48, sink_tokens=3)
+    one_pass = FocusConfig(num_groups=5, query_top_k=3, key_top_k=2, window=48, sink_tokens=3)
     gen = torch.Generator().manual_seed(1)
     worst = 0.0
     for dtype in (torch.float32, torch.bfloat16):
@@ -150,8 +152,10 @@ WIDTHS = """if True:
         index.extend(k, c, cfg)
         step = focus_attention(q[:, :, -1:], k, v, c, cfg, key_index=index)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
+        ref_one_pass = reference_attention(q.float(), k.float(), v.float(), c, one_pass)
         worst = max(worst, ((focus_attention(q, k, v, c, cfg).float() - ref).abs().max() / tol).item(),
-                    ((step.float() - ref[:, :, -1:]).abs().max() / tol).item())
+                    ((step.float() - ref[:, :, -1:]).abs().max() / tol).item(),
+                    ((focus_attention(q, k, v, c, one_pass).float() - ref_one_pass).abs().max() / tol).item())
     print(native.library().focus_vector_bits(), worst)
 """
 
@@ -159,7 +163,8 @@ WIDTHS = """if True:
 @pytest.mark.parametrize("target", native.build_targets())
 def test_every_vector_width_the_cpu_runs_is_exact(target, tmp_path):
     """The kernels' tiles are shaped per vector width (512, 256, 128 bits): each build this CPU can run (its own, the
-    AVX2 build on an AVX-512 CPU, the portable one) gives the reference's prefill and decode step."""
+    AVX2 build on an AVX-512 CPU, the portable one) gives the reference's prefill (two passes and one pass) and decode
+    step."""
     done = subprocess.run([sys.executable, "-c", WIDTHS], capture_output=True, text=True,
                           env={**os.environ, "FOCUS_FLEX_CACHE": str(tmp_path), "FOCUS_FLEX_MARCH": target})
     assert done.returncode == 0, done.stderr[-2000:]
@@ -175,8 +180,12 @@ PREFILL_CASES = [
     (2, 300, 650, 128, 2, 1, 64, 70, 4),  # chunked prefill, a query in two groups, more sinks than a key block
     (1, 500, 500, 256, 1, 3, 256, 0, 8),  # the largest head dim, a key in three groups, no sinks
     (4, 33, 33, 16, 1, 1, 1, 1, 2),  # window 1: each query's far keys are all its group's earlier keys
-    (2, 600, 600, 64, 2, 4, 64, 4, 8),  # a pair in up to two shared groups: computed once
-    (3, 300, 520, 32, 3, 3, 32, 0, 5),  # three of five groups each side: most pairs share several
+    (2, 600, 600, 64, 2, 4, 64, 4, 16),  # a pair in up to two shared groups: computed once
+    (3, 300, 520, 32, 3, 3, 32, 0, 10),  # three of ten groups each side: many pairs share several
+    # one pass (query top-k x key top-k >= groups): every causal key, a far key kept iff the bitmasks meet
+    (3, 700, 700, 64, 32, 4, 64, 4, 63),  # the published adapter's wide layers
+    (2, 300, 520, 32, 3, 3, 32, 0, 5),  # chunked prefill, no sinks
+    (1, 200, 200, 16, 16, 1, 8, 70, 16),  # keys in one group, more sinks than a key block
 ]
 
 
@@ -193,12 +202,23 @@ def test_c_prefill_equals_reference(case, dtype, threads):
     c = torch.randn(1, g, d, generator=gen)
     qg, kg = routing.hard_groups(q, c, kq)[0], routing.hard_groups(k, c, kk)[0, 0]
     plan = native.prefill_plan(qg, kg, cfg)
-    torch_plan = flash.far_plan(qg, kg, lk - lq, cfg)
-    assert plan.pairs == torch_plan.pairs > 0  # the same far pairs as the PyTorch plan's (a shared pair per group)
+    if cfg.one_pass:
+        assert plan.klist.numel() == plan.crow.numel() == 0 and plan.qbits.numel() == r * lq  # no copies listed
+        pos = torch.arange(lk)
+        far = (pos[-lq:, None] - pos >= w) & (pos >= s)
+        assert plan.pairs == int((focus_pattern(q.float(), k.float(), c, cfg) & far).sum()) > 0
+        two = torch.full_like(q, float("nan"))  # the same attention in two passes
+        native.prefill(q[0], k[0, 0], v[0, 0], native.prefill_plan(qg, kg, cfg, one_pass=False), cfg, d ** -0.5,
+                       two[0], threads)
+    else:
+        torch_plan = flash.far_plan(qg, kg, lk - lq, cfg)
+        assert plan.pairs == torch_plan.pairs > 0  # the same far pairs as the PyTorch plan's (a shared pair per group)
     out = torch.full_like(q, float("nan"))
     native.prefill(q[0], k[0, 0], v[0, 0], plan, cfg, d ** -0.5, out[0], threads)
     ref = reference_attention(q.float(), k.float(), v.float(), c, cfg)
     assert out.dtype == dtype and max_diff(out, ref) <= (1e-5 if dtype == torch.float32 else 2e-2)
+    if cfg.one_pass:
+        assert max_diff(two, ref) <= (1e-5 if dtype == torch.float32 else 2e-2)
 
 
 def test_c_prefill_rejects_bad_arguments():

@@ -11,6 +11,11 @@
       share several groups: it is computed in the first of them only (the copy in group g skips a key whose groups
       meet the query's groups below g: two bitmasks ANDed per key and row).
 
+   In one pass (`one_pass`: a layer whose queries join so many groups that listing a copy per group would compute a
+   pair about once or more per shared group) the two passes are one: tiles of NR consecutive queries of one head
+   attend every earlier key in order, a key beyond the window allowed iff the row's and the key's group bitmasks meet.
+   That is a dense causal pass's work, whatever the top-k.
+
    Inside a tile the NR rows are the lanes of NV vectors of W floats, so a key's score for every row is one FMA per
    dimension, the mask of a key is one compare against per-row bounds, and the online softmax needs no horizontal
    reductions. Keys are taken in blocks of KB: scores, masked maximum, exponentials, then P V with rows broadcast.
@@ -79,9 +84,11 @@ typedef struct {
     float *lse;                              /* [r * lq] */
 } run_t;
 
-typedef struct {                             /* per key and row of a far tile: groups below the tile's, as bitmasks */
-    int32_t klo[KB], khi[KB];                /* the block's keys' groups (low and high 32 bits) */
-    vi qlo[NV], qhi[NV];                     /* the rows' groups below the tile's group */
+typedef struct {                             /* per key and row: groups as bitmasks (low and high 32 bits) */
+    int32_t klo[KB], khi[KB];                /* the block's keys' groups */
+    vi qlo[NV], qhi[NV];                     /* far tile: the rows' groups below the tile's; one pass: all of them */
+    vi far[NV];                              /* one pass: the last key position beyond each row's window */
+    int meet;                                /* one pass: groups that meet allow a key (else they forbid it) */
 } shared_t;
 
 typedef struct {                             /* one thread's tile buffers (aligned to the vector size) */
@@ -165,8 +172,9 @@ static inline __attribute__((always_inline)) void pv(work_t *w, int n, int64_t d
 }
 
 /* One block of n <= KB keys (rows in kr/vr, coordinates x): key t is allowed for a row iff
-   x[t] < a or a2 <= x[t] <= b (per-row bounds, lanes of a/a2/b), and, given `shared`, the key's groups do not meet
-   the row's groups below the tile's. Updates m, l, o. */
+   x[t] < a or a2 <= x[t] <= b (per-row bounds, lanes of a/a2/b). Given `shared`: in a far tile, only if also the
+   key's groups do not meet the row's groups below the tile's; in one pass, also if x[t] <= far and the key's and
+   the row's groups meet. Updates m, l, o. */
 static void block(const run_t *c, work_t *w, int n, const int32_t *x, const vi *a, const vi *a2, const vi *b,
                   const shared_t *shared) {
     const int64_t d = c->d;
@@ -187,8 +195,13 @@ static void block(const run_t *c, work_t *w, int n, const int32_t *x, const vi *
             int32_t xt = x[t0 + u];
             for (int v = 0; v < NV; v++) {
                 vi ok = (xt < a[v]) | ((xt >= a2[v]) & (xt <= b[v]));
-                if (shared)
-                    ok &= ((shared->klo[t0 + u] & shared->qlo[v]) | (shared->khi[t0 + u] & shared->qhi[v])) == 0;
+                if (shared) {
+                    vi meet = ((shared->klo[t0 + u] & shared->qlo[v]) | (shared->khi[t0 + u] & shared->qhi[v])) != 0;
+                    if (shared->meet)
+                        ok |= (xt <= shared->far[v]) & meet;
+                    else
+                        ok &= ~meet;
+                }
                 vf sc = sel(ok, acc[u][v], splat(-INFINITY));
                 s[(t0 + u) * NV + v] = sc;
                 mx[v] = vmax(mx[v], sc);
@@ -261,6 +274,41 @@ static void local_tile(const run_t *c, work_t *w, int64_t r, int64_t i0, int n) 
     finish_tile(c, w, rows, n, 0);
 }
 
+/* One-pass tile: head r, queries [i0, i0 + n) attend every earlier key in order: the sinks, the window, and beyond
+   the window the keys whose groups (kbits) meet the row's (qbits). */
+static void one_pass_tile(const run_t *c, work_t *w, int64_t r, int64_t i0, int n, const int64_t *qbits,
+                          const int64_t *kbits) {
+    int64_t rows[NR];
+    vi a[NV], a2[NV], b[NV];
+    shared_t shared;
+    shared.meet = 1;
+    for (int i = 0; i < NR; i++) {
+        int64_t p = c->start + i0 + i;
+        rows[i] = r * c->lq + i0 + (i < n ? i : 0);
+        int32_t sink_end = (int32_t)(p + 1 < c->sinks ? p + 1 : c->sinks), lo = (int32_t)(p - c->window + 1);
+        a[i / W][i % W] = i < n ? sink_end : 0;
+        a2[i / W][i % W] = lo > c->sinks ? lo : (int32_t)c->sinks;
+        b[i / W][i % W] = i < n ? (int32_t)p : -1;
+        shared.far[i / W][i % W] = i < n ? lo - 1 : -1;
+        uint64_t bits = i < n ? (uint64_t)qbits[rows[i]] : 0;
+        shared.qlo[i / W][i % W] = (int32_t)(uint32_t)bits, shared.qhi[i / W][i % W] = (int32_t)(uint32_t)(bits >> 32);
+    }
+    start_tile(c, w, rows, n);
+    int64_t p1 = c->start + i0 + n;
+    int32_t pos[KB];
+    for (int64_t j0 = 0; j0 < p1; j0 += KB) {
+        int cnt = (int)(p1 - j0 < KB ? p1 - j0 : KB);
+        for (int t = 0; t < cnt; t++) {
+            uint64_t bits = (uint64_t)kbits[j0 + t];
+            pos[t] = (int32_t)(j0 + t);
+            shared.klo[t] = (int32_t)(uint32_t)bits, shared.khi[t] = (int32_t)(uint32_t)(bits >> 32);
+        }
+        gather(c, w, pos, cnt);
+        block(c, w, cnt, pos, a, a2, b, &shared);
+    }
+    finish_tile(c, w, rows, n, 0);
+}
+
 /* Far tile: copies [c0, c1) of group g (rows, key prefixes hi), its key list; qbits/kbits (the rows' and keys'
    groups as bitmasks) where a pair can share several groups, else NULL. */
 static void far_tile(const run_t *c, work_t *w, const int32_t *rows32, const int32_t *hi, int n, const int32_t *list,
@@ -268,6 +316,7 @@ static void far_tile(const run_t *c, work_t *w, const int32_t *rows32, const int
     int64_t rows[NR];
     vi a[NV], a2[NV], b[NV];
     shared_t shared;
+    shared.meet = 0;
     for (int i = 0; i < NR; i++) {
         rows[i] = rows32[i < n ? i : 0];
         a[i / W][i % W] = i < n ? hi[i] : 0;
@@ -297,10 +346,11 @@ static void far_tile(const run_t *c, work_t *w, const int32_t *rows32, const int
    (row, key prefix); ctiles [G + 1], tiles [2 * r * lq * kq]: runs of at most NR copies of a group whose prefixes
    differ by at most FAR_TAIL keys, [c0, c1) into crow; qbits [r * lq], kbits [lk]: every row's and key's groups as
    a bitmask, only where a pair can share several groups (kq > 1 and kk > 1; else not touched, may be empty).
+   With one_pass only qbits and kbits are filled (the other arrays are not touched, may be empty).
    Returns 0, or 2 on a bad argument. */
 int focus_prefill_plan(int64_t r, int64_t lq, int64_t lk, int64_t window, int64_t sinks, int64_t groups_n,
-                       const int64_t *q_groups, int64_t kq, const int64_t *k_groups, int64_t kk, int64_t *kstart,
-                       int32_t *klist, int64_t *cstart, int32_t *crow, int32_t *chi, int64_t *ctiles,
+                       const int64_t *q_groups, int64_t kq, const int64_t *k_groups, int64_t kk, int one_pass,
+                       int64_t *kstart, int32_t *klist, int64_t *cstart, int32_t *crow, int32_t *chi, int64_t *ctiles,
                        int32_t *tiles, int64_t *qbits, int64_t *kbits) {
     if (r < 1 || lq < 1 || lk < lq || window < 1 || sinks < 0 || groups_n < 1 || groups_n > 63 || kq < 1 || kk < 1 ||
         lk >= NONE || r * lq * kq >= NONE)
@@ -309,12 +359,13 @@ int focus_prefill_plan(int64_t r, int64_t lq, int64_t lk, int64_t window, int64_
         if (q_groups[i] < 0 || q_groups[i] >= groups_n) return 2;
     for (int64_t i = 0; i < lk * kk; i++)
         if (k_groups[i] < 0 || k_groups[i] >= groups_n) return 2;
-    if (kq > 1 && kk > 1) {
+    if (one_pass || (kq > 1 && kk > 1)) {
         memset(qbits, 0, sizeof(int64_t) * r * lq);
         memset(kbits, 0, sizeof(int64_t) * lk);
         for (int64_t i = 0; i < r * lq * kq; i++) qbits[i / kq] |= INT64_C(1) << q_groups[i];
         for (int64_t i = 0; i < lk * kk; i++) kbits[i / kk] |= INT64_C(1) << k_groups[i];
     }
+    if (one_pass) return 0;
     int64_t start = lk - lq, *fill = ctiles; /* (ctiles: the fill counts, then each group's key pointer) */
     memset(kstart, 0, sizeof(int64_t) * (groups_n + 1));
     memset(cstart, 0, sizeof(int64_t) * (groups_n + 1));
@@ -361,14 +412,15 @@ int focus_prefill_plan(int64_t r, int64_t lq, int64_t lk, int64_t window, int64_
 /* The width of the vectors this build computes with, in bits. */
 int focus_vector_bits(void) { return W * 32; }
 
-/* Focus attention of rows (head, query) into out, with the plan of focus_prefill_plan. lse [r * lq] is scratch.
+/* Focus attention of rows (head, query) into out, with the plan of focus_prefill_plan (made with the same one_pass).
+   lse [r * lq] is scratch.
    Returns 0, 1 when out of memory, 2 on a bad argument. */
 int focus_prefill(int64_t r, int64_t lq, int64_t lk, int64_t d, const void *q, int64_t q_hs, int64_t q_ps,
                   const void *k, int64_t k_ps, const void *v, int64_t v_ps, void *out, int64_t o_hs, int64_t o_ps,
                   int bf16, float scale, int64_t window, int64_t sinks, int64_t groups_n, int64_t kq,
                   const int64_t *kstart, const int32_t *klist, const int64_t *cstart, const int32_t *crow,
                   const int32_t *chi, const int64_t *ctiles, const int32_t *tiles, const int64_t *qbits,
-                  const int64_t *kbits, int64_t kk, int threads, float *lse) {
+                  const int64_t *kbits, int64_t kk, int one_pass, int threads, float *lse) {
     if (r < 1 || lq < 1 || lk < lq || d < W || d > MAX_D || d % W || window < 1 || sinks < 0 || groups_n < 1 ||
         groups_n > 63 || kq < 1 || kk < 1 || threads < 1)
         return 2;
@@ -376,7 +428,8 @@ int focus_prefill(int64_t r, int64_t lq, int64_t lk, int64_t d, const void *q, i
     run_t c = {r, lq, lk, d, q, k, v, out, q_hs, q_ps, k_ps, v_ps, o_hs, o_ps, bf16, scale, lk - lq, window, sinks,
                lse};
     int64_t local_per_head = (lq + NR - 1) / NR, failed = 0;
-    /* 1. local tiles; 2. far tiles (a query in several groups has a copy per group: then one group at a time). */
+    /* 1. local tiles (one pass: the whole pattern); 2. far tiles (a query in several groups has a copy per group:
+       then one group at a time). */
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         work_t *w = aligned_alloc(64, (sizeof(work_t) + 63) / 64 * 64);
@@ -385,9 +438,13 @@ int focus_prefill(int64_t r, int64_t lq, int64_t lk, int64_t d, const void *q, i
         for (int64_t t = 0; t < r * local_per_head; t++) {
             if (!w) continue;
             int64_t h = t / local_per_head, i0 = t % local_per_head * NR;
-            local_tile(&c, w, h, i0, (int)(lq - i0 < NR ? lq - i0 : NR));
+            int n = (int)(lq - i0 < NR ? lq - i0 : NR);
+            if (one_pass)
+                one_pass_tile(&c, w, h, i0, n, qbits, kbits);
+            else
+                local_tile(&c, w, h, i0, n);
         }
-        for (int64_t g0 = 0; g0 < groups_n; g0 = kq == 1 ? groups_n : g0 + 1) {
+        for (int64_t g0 = 0; g0 < (one_pass ? 0 : groups_n); g0 = kq == 1 ? groups_n : g0 + 1) {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t t = ctiles[g0]; t < ctiles[kq == 1 ? groups_n : g0 + 1]; t++) {
                 if (!w) continue;
