@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 
 SECTIONS = ("op", "prefill", "decode", "memory", "compile", "guard")
+ADAPTER_FIELDS = ("num_groups", "query_top_k", "key_top_k", "window", "sink_tokens", "dense_tail", "layer_top_k")
 # A build target other than this CPU's own runs PyTorch as a CPU of that kind would too: its kernels (ATen), oneDNN's
 # and MKL's capped at the same instructions. On an AVX-512 machine, x86-64-v3 is then a stand-in for an AVX2 one.
 EMULATE = {"x86-64-v3": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
@@ -183,6 +184,11 @@ def run_bench(*, lengths: Sequence[int] = (4096, 8192, 16384, 32768), dtypes: Se
                 worker("op", {**common, "task": "op", "n": n, "dtype": dtype, "flex_causal": n <= flex_causal_max})
     adapter_dir = adapter or _find_adapter()
     model_spec = {**common, "model_dtype": model_dtype, "adapter": adapter_dir}
+    if adapter_dir and {"prefill", "decode"} & set(sections):
+        from focus_flex.config import FocusConfig
+
+        cfg = FocusConfig.from_pretrained(adapter_dir)
+        results["adapter"] = {"path": str(adapter_dir), **{k: getattr(cfg, k) for k in ADAPTER_FIELDS}}
     if "prefill" in sections:
         for n in prefill_lengths:
             log(f"prefill: N={n} ...")
@@ -581,14 +587,15 @@ def _tokens(tokenizer: Any, n: int) -> torch.Tensor:
 
 
 def _warm_focus(model: Any, adapter: Any, lq: int, lk: int) -> None:
-    """Compile the fast path for one layer's shapes (every layer has the same) outside the timed forward."""
+    """Compile the fast path for one layer's shapes (every layer has the same) outside the timed forward (layer 0's
+    configuration)."""
     from focus_flex import attention
 
     cfg = model.config
     dt = next(model.parameters()).dtype
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
     q, k = torch.randn(1, hq, lq, d, dtype=dt), torch.randn(1, hkv, lk, d, dtype=dt)
-    attention.focus_attention(q, k, k, adapter.centroids[0].detach(), adapter.config)
+    attention.focus_attention(q, k, k, adapter.centroids[0].detach(), adapter.layer_config(0))
 
 
 def _prefill_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -979,10 +986,15 @@ def to_markdown(results: dict[str, Any]) -> str:
              + (f"C kernels: {m.get('kernels_built', '?')}.  " if m.get("target", "native") == "native" else
                 f"**Run as a `{m['target']}` CPU** (C kernels built for it; PyTorch capped to its instructions: "
                 f"{', '.join(f'{k}={v}' for k, v in EMULATE[m['target']].items())}).  "),
-             f"Focus: G={f['num_groups']}, top-k {f['query_top_k']} (queries) / {f['key_top_k']} (keys), "
-             f"window {f['window']}, {f['sink_tokens']} sinks, block {f['block_size']}. Times are min over repeats "
-             "(median in JSON); ratios are baseline / Focus, "
+             f"Focus{' (op section)' if results.get('adapter') else ''}: G={f['num_groups']}, top-k "
+             f"{f['query_top_k']} (queries) / {f['key_top_k']} (keys), window {f['window']}, {f['sink_tokens']} sinks, "
+             f"block {f['block_size']}. Times are min over repeats (median in JSON); ratios are baseline / Focus, "
              f"measured side by side in the same process.", ""]
+    if a := results.get("adapter"):
+        lines[-1:-1] = [f"Adapter (prefill, decode): `{a['path']}`: G={a['num_groups']}, top-k "
+                        f"{a['query_top_k']} (queries) / {a['key_top_k']} (keys), window {a['window']}, "
+                        f"{a['sink_tokens']} sinks, dense tail {a['dense_tail']}, layers with their own top-k "
+                        f"(layer, queries, keys) {a['layer_top_k'] or 'none'}."]
     if results.get("command"):
         lines += [f"Command: `{results['command']}`", ""]
     worst = max(c["max_abs_diff"] / c["tolerance"] for c in results["correctness"])

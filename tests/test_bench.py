@@ -30,6 +30,7 @@ def test_tiny_run_writes_json_markdown_and_plot(tmp_path):
     md = (tmp_path / "bench.md").read_text()
     assert "## Attention op" in md and "## Peak RSS" in md and "## Targets" in md and "| float32 | 512 | flash (C" in md
     assert machine_line(md).startswith(bench.machine_info()["cpu"]) and f"({native.vector_isa()})" in md
+    assert "Adapter (" not in md and "Focus: G=16, top-k 1 (queries) / 1 (keys)" in md  # no model section
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -53,7 +54,9 @@ def test_decode_section_times_both_methods_in_one_process(tmp_path):
     assert dec["n"] == 600 and dec["tokens"] == 2
     for method in ("focus", "sdpa", "fallback"):
         assert dec[method]["rounds"] == 2 and dec[method]["tokens_per_s"] > 0
-    assert "## Decode" in (tmp_path / "bench.md").read_text()
+    md = (tmp_path / "bench.md").read_text()
+    assert "## Decode" in md and "Focus (op section): G=16" in md
+    assert f"Adapter (prefill, decode): `{bench._find_adapter()}`: G=16, top-k 1 (queries) / 1 (keys)" in md
 
 
 def test_guard_default_kernels_are_not_slower_than_their_fallbacks(tmp_path):
@@ -113,9 +116,10 @@ def test_a_wrong_kernel_is_refused(monkeypatch, tmp_path):
 
 def test_cli_flags():
     args = bench.build_parser().parse_args(["--lengths", "4k,8192", "--sections", "op,compile", "--dtypes", "bfloat16",
-                                            "--target", "x86-64-v3"])
+                                            "--target", "x86-64-v3", "--top-k", "32", "--key-top-k", "4"])
     assert args.lengths == [4096, 8192] and args.sections == ["op", "compile"] and args.dtypes == ["bfloat16"]
-    assert args.target == "x86-64-v3"
+    assert args.target == "x86-64-v3" and (args.top_k, args.key_top_k) == (32, 4)
+    assert bench.build_parser().parse_args([]).key_top_k is None  # keys: --top-k's
     with pytest.raises(bench.BenchError, match="unknown sections"):
         bench.run_bench(sections=["op", "nope"], output_dir="unused")
 
