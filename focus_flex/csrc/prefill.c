@@ -248,36 +248,11 @@ static void finish_tile(const run_t *c, work_t *w, const int64_t *rows, int n, i
     }
 }
 
-/* Local tile: head r, queries [i0, i0 + n). Keys: the sinks, then the window span of the tile. */
-static void local_tile(const run_t *c, work_t *w, int64_t r, int64_t i0, int n) {
-    int64_t rows[NR];
-    vi a[NV], a2[NV], b[NV];
-    for (int i = 0; i < NR; i++) {
-        int64_t p = c->start + i0 + i;
-        rows[i] = r * c->lq + i0 + (i < n ? i : 0);
-        int32_t sink_end = (int32_t)(p + 1 < c->sinks ? p + 1 : c->sinks), lo = (int32_t)(p - c->window + 1);
-        a[i / W][i % W] = i < n ? sink_end : 0;
-        a2[i / W][i % W] = lo > c->sinks ? lo : (int32_t)c->sinks;
-        b[i / W][i % W] = i < n ? (int32_t)p : -1;
-    }
-    start_tile(c, w, rows, n);
-    int64_t p0 = c->start + i0, p1 = p0 + n; /* window span [lo, p1) */
-    int64_t nsink = c->sinks < c->lk ? c->sinks : c->lk, lo = p0 - c->window + 1;
-    lo = lo > c->sinks ? lo : c->sinks;
-    int32_t pos[KB];
-    int cnt = 0;
-    for (int64_t j = 0; j < nsink + (p1 > lo ? p1 - lo : 0); j++) {
-        pos[cnt++] = (int32_t)(j < nsink ? j : lo + j - nsink);
-        if (cnt == KB) gather(c, w, pos, cnt), block(c, w, cnt, pos, a, a2, b, NULL), cnt = 0;
-    }
-    if (cnt) gather(c, w, pos, cnt), block(c, w, cnt, pos, a, a2, b, NULL);
-    finish_tile(c, w, rows, n, 0);
-}
-
-/* One-pass tile: head r, queries [i0, i0 + n) attend every earlier key in order: the sinks, the window, and beyond
-   the window the keys whose groups (kbits) meet the row's (qbits). */
-static void one_pass_tile(const run_t *c, work_t *w, int64_t r, int64_t i0, int n, const int64_t *qbits,
-                          const int64_t *kbits) {
+/* Local tile: head r, queries [i0, i0 + n). Keys: the sinks, then the window span of the tile. In one pass (qbits
+   and kbits given) every earlier key in order instead: the sinks, the window, and beyond the window the keys whose
+   groups (kbits) meet the row's (qbits). */
+static void local_tile(const run_t *c, work_t *w, int64_t r, int64_t i0, int n, const int64_t *qbits,
+                       const int64_t *kbits) {
     int64_t rows[NR];
     vi a[NV], a2[NV], b[NV];
     shared_t shared;
@@ -290,22 +265,34 @@ static void one_pass_tile(const run_t *c, work_t *w, int64_t r, int64_t i0, int 
         a2[i / W][i % W] = lo > c->sinks ? lo : (int32_t)c->sinks;
         b[i / W][i % W] = i < n ? (int32_t)p : -1;
         shared.far[i / W][i % W] = i < n ? lo - 1 : -1;
-        uint64_t bits = i < n ? (uint64_t)qbits[rows[i]] : 0;
+        uint64_t bits = qbits && i < n ? (uint64_t)qbits[rows[i]] : 0;
         shared.qlo[i / W][i % W] = (int32_t)(uint32_t)bits, shared.qhi[i / W][i % W] = (int32_t)(uint32_t)(bits >> 32);
     }
     start_tile(c, w, rows, n);
-    int64_t p1 = c->start + i0 + n;
+    int64_t p0 = c->start + i0, p1 = p0 + n; /* window span [lo, p1) */
     int32_t pos[KB];
-    for (int64_t j0 = 0; j0 < p1; j0 += KB) {
-        int cnt = (int)(p1 - j0 < KB ? p1 - j0 : KB);
-        for (int t = 0; t < cnt; t++) {
-            uint64_t bits = (uint64_t)kbits[j0 + t];
-            pos[t] = (int32_t)(j0 + t);
-            shared.klo[t] = (int32_t)(uint32_t)bits, shared.khi[t] = (int32_t)(uint32_t)(bits >> 32);
+    if (qbits) {
+        for (int64_t j0 = 0; j0 < p1; j0 += KB) {
+            int cnt = (int)(p1 - j0 < KB ? p1 - j0 : KB);
+            for (int t = 0; t < cnt; t++) {
+                uint64_t bits = (uint64_t)kbits[j0 + t];
+                pos[t] = (int32_t)(j0 + t);
+                shared.klo[t] = (int32_t)(uint32_t)bits, shared.khi[t] = (int32_t)(uint32_t)(bits >> 32);
+            }
+            gather(c, w, pos, cnt);
+            block(c, w, cnt, pos, a, a2, b, &shared);
         }
-        gather(c, w, pos, cnt);
-        block(c, w, cnt, pos, a, a2, b, &shared);
+        finish_tile(c, w, rows, n, 0);
+        return;
     }
+    int64_t nsink = c->sinks < c->lk ? c->sinks : c->lk, lo = p0 - c->window + 1;
+    lo = lo > c->sinks ? lo : c->sinks;
+    int cnt = 0;
+    for (int64_t j = 0; j < nsink + (p1 > lo ? p1 - lo : 0); j++) {
+        pos[cnt++] = (int32_t)(j < nsink ? j : lo + j - nsink);
+        if (cnt == KB) gather(c, w, pos, cnt), block(c, w, cnt, pos, a, a2, b, NULL), cnt = 0;
+    }
+    if (cnt) gather(c, w, pos, cnt), block(c, w, cnt, pos, a, a2, b, NULL);
     finish_tile(c, w, rows, n, 0);
 }
 
@@ -438,11 +425,8 @@ int focus_prefill(int64_t r, int64_t lq, int64_t lk, int64_t d, const void *q, i
         for (int64_t t = 0; t < r * local_per_head; t++) {
             if (!w) continue;
             int64_t h = t / local_per_head, i0 = t % local_per_head * NR;
-            int n = (int)(lq - i0 < NR ? lq - i0 : NR);
-            if (one_pass)
-                one_pass_tile(&c, w, h, i0, n, qbits, kbits);
-            else
-                local_tile(&c, w, h, i0, n);
+            local_tile(&c, w, h, i0, (int)(lq - i0 < NR ? lq - i0 : NR), one_pass ? qbits : NULL,
+                       one_pass ? kbits : NULL);
         }
         for (int64_t g0 = 0; g0 < (one_pass ? 0 : groups_n); g0 = kq == 1 ? groups_n : g0 + 1) {
 #pragma omp for schedule(dynamic, 1)
