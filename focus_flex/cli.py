@@ -433,9 +433,7 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
     from focus_flex.passkey import PASSKEY_MD, check_passkey_args, passkey_eval, passkey_protocol, save_passkey
 
     earlier = _resumed(args, adapter.config.to_dict()) if args.resume else []
-    model, tokenizer = _load_model(args.model or adapter.config.base_model,
-                                   args.revision or adapter.config.base_model_revision, args.dtype,
-                                   _device(args.device))
+    model, tokenizer = _load_model(*_base_model(args, adapter.config.to_dict()), args.dtype, _device(args.device))
     try:
         adapter.check_compatible(model)
         check_passkey_args(model, args.lengths, args.depths, args.keys_per_cell, args.haystacks, args.modes,
@@ -454,8 +452,9 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
         reused = {id(r) for r in earlier}
         taken = sum(id(r) in reused for r in results)
         print(f"--resume: {taken} of {len(results)} results taken from {' '.join(args.resume)}, the rest run")
+    name, revision = _base_model(args, adapter.config.to_dict())
     meta = {"command": command, "adapter": args.adapter, "focus_config": adapter.config.to_dict(),
-            "cpu": _cpu_name(), "dtype": args.dtype}
+            "cpu": _cpu_name(), "dtype": args.dtype, "model": name, "revision": revision}
     protocol = passkey_protocol(args.dtype, adapter.config.dense_decode, adapter.config.dense_tail,
                                 adapter.config.dense_heads, args.phrasings, adapter.config.layer_top_k)
     paths = save_passkey(out, results, meta, protocol)
@@ -511,8 +510,14 @@ def _without(argv: list[str], flag: str) -> list[str]:
     return out
 
 
+def _base_model(args: argparse.Namespace, config: dict[str, Any]) -> tuple[str | None, str | None]:
+    """The model (Hub id or folder) and revision an evaluation runs: ``--model``/``--revision``, else the adapter's."""
+    return args.model or config.get("base_model"), args.revision or config.get("base_model_revision")
+
+
 def _resumed(args: argparse.Namespace, config: dict[str, Any]) -> list:
-    """The results of ``--resume``: earlier runs of this adapter configuration (its centroids aside) and dtype."""
+    """The results of ``--resume``: earlier runs of this adapter configuration (its centroids aside), model and
+    dtype."""
     from focus_flex.passkey import PasskeyResult
 
     mine = {k: v for k, v in config.items() if k != "extra"}
@@ -538,6 +543,12 @@ def _resumed(args: argparse.Namespace, config: dict[str, Any]) -> list:
         if dtype != args.dtype:
             raise CliError(f"--resume {path!r} was run in {dtype}, this run in {args.dtype}: resume it with "
                            f"--dtype {dtype}")
+        # runs before the model was recorded ran the adapter's base model (unless told otherwise, unknowable)
+        run_on = (data.get("model"), data.get("revision")) if "model" in data else _base_model(
+            argparse.Namespace(model=None, revision=None), data["focus_config"])
+        if run_on != (here := _base_model(args, config)):
+            raise CliError(f"--resume {path!r} was run on the model {run_on[0]!r} (revision {run_on[1]!r}), this run "
+                           f"on {here[0]!r} (revision {here[1]!r}): resume runs of the same --model and --revision")
         earlier += rows
     return earlier
 
@@ -695,7 +706,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "holding this run's prompts; the first named wins) instead of running full attention again; "
                          "they join this run's report with any --modes, so each mode is compared with full attention")
     pk.add_argument("--resume", metavar="PASSKEY_JSON", nargs="+", default=None,
-                    help="take the results of earlier runs of this same adapter configuration and dtype (their "
+                    help="take the results of earlier runs of this same adapter configuration, model and dtype (their "
                          "passkey.json files) for the prompts and modes they hold, and run only the rest")
     _add_common(e, training=False)
     e.set_defaults(func=cmd_eval, modes=None)  # --modes default: all of the task's modes

@@ -251,7 +251,7 @@ def test_eval_task_passkey_writes_table_json_and_heatmaps(tmp_path, capsys):
 def test_eval_task_passkey_resumes_runs_of_the_same_configuration_only(tmp_path, capsys):
     """``--resume``: the prompts and modes an earlier run of this configuration holds are taken from it (the same
     records, timings included), the others run; window-only is matched to the reused focus results; a run of another
-    configuration or dtype is refused, naming the difference."""
+    configuration, dtype or model is refused, naming the difference."""
     argv = ["eval", ADAPTER, "--task", "passkey", "--lengths", "384", "--keys-per-cell", "1", "--haystacks", "prose",
             "--phrasings", "ruler", "--no-progress"]
     first = tmp_path / "first"
@@ -284,6 +284,10 @@ def test_eval_task_passkey_resumes_runs_of_the_same_configuration_only(tmp_path,
     assert main([*argv, "--depths", "30", "--dtype", "bfloat16", "--resume", str(first / P.PASSKEY_JSON),
                  "--output-dir", str(tmp_path / "other")]) == 2
     assert "was run in float32, this run in bfloat16" in capsys.readouterr().err
+    assert main([*argv, "--depths", "30", "--model", str(tmp_path / "another-model"), "--resume",
+                 str(first / P.PASSKEY_JSON), "--output-dir", str(tmp_path / "other")]) == 2
+    assert "was run on the model 'HuggingFaceTB/SmolLM2-135M-Instruct' (revision None), this run on '" in (
+        capsys.readouterr().err)
 
 
 def test_window_only_is_matched_to_focus_on_the_prompts_of_its_own_phrasing(smollm2):
