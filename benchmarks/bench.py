@@ -459,14 +459,16 @@ def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     fused = kernel == "flash" and native.prefill_applies(q, k, v)
 
+    def head_groups(j: int) -> tuple[torch.Tensor, torch.Tensor]:  # KV head j's routing, as flash_attention's
+        qg = routing.hard_groups(q[:, j * rep:(j + 1) * rep], c[j:j + 1], cfg.query_top_k)[0]
+        return qg, routing.hard_groups(k[:, j:j + 1], c[j:j + 1], cfg.key_top_k)[0, 0]
+
     def two_passes() -> torch.Tensor:  # one pass's baseline: the same C kernel over a copy of each query per group
         out = torch.empty_like(q)
         for j in range(HKV):
             hs = slice(j * rep, (j + 1) * rep)
-            qg = routing.hard_groups(q[:, hs], c[j:j + 1], cfg.query_top_k)[0]
-            kg = routing.hard_groups(k[:, j:j + 1], c[j:j + 1], cfg.key_top_k)[0, 0]
-            native.prefill(q[0, hs], k[0, j], v[0, j], native.prefill_plan(qg, kg, cfg, one_pass=False), cfg, scale,
-                           out[0, hs], threads)
+            native.prefill(q[0, hs], k[0, j], v[0, j], native.prefill_plan(*head_groups(j), cfg, one_pass=False), cfg,
+                           scale, out[0, hs], threads)
         return out
 
     def window() -> Any:  # window + sinks only: the default kernel without a far pair
@@ -482,8 +484,7 @@ def _op_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 return attention.plan_attention(q, k, c, cfg, valid=valid)
         plans = []
         for j in range(HKV):  # per KV head, as flash.flash_attention routes
-            qg = routing.hard_groups(q[:, j * rep:(j + 1) * rep], c[j:j + 1], cfg.query_top_k)[0]
-            kg = routing.hard_groups(k[:, j:j + 1], c[j:j + 1], cfg.key_top_k)[0, 0]
+            qg, kg = head_groups(j)
             plans.append(native.prefill_plan(qg, kg, cfg) if fused else flash.far_plan(qg, kg, 0, cfg))
         return plans
 

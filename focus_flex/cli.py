@@ -432,8 +432,10 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
     from focus_flex.hub import model_card
     from focus_flex.passkey import PASSKEY_MD, check_passkey_args, passkey_eval, passkey_protocol, save_passkey
 
-    earlier = _resumed(args, adapter.config.to_dict()) if args.resume else []
-    model, tokenizer = _load_model(*_base_model(args, adapter.config.to_dict()), args.dtype, _device(args.device))
+    config = adapter.config.to_dict()
+    earlier = _resumed(args, config) if args.resume else []
+    name, revision = _base_model(config, args.model, args.revision)
+    model, tokenizer = _load_model(name, revision, args.dtype, _device(args.device))
     try:
         adapter.check_compatible(model)
         check_passkey_args(model, args.lengths, args.depths, args.keys_per_cell, args.haystacks, args.modes,
@@ -452,7 +454,6 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
         reused = {id(r) for r in earlier}
         taken = sum(id(r) in reused for r in results)
         print(f"--resume: {taken} of {len(results)} results taken from {' '.join(args.resume)}, the rest run")
-    name, revision = _base_model(args, adapter.config.to_dict())
     meta = {"command": command, "adapter": args.adapter, "focus_config": adapter.config.to_dict(),
             "cpu": _cpu_name(), "dtype": args.dtype, "model": name, "revision": revision}
     protocol = passkey_protocol(args.dtype, adapter.config.dense_decode, adapter.config.dense_tail,
@@ -510,9 +511,11 @@ def _without(argv: list[str], flag: str) -> list[str]:
     return out
 
 
-def _base_model(args: argparse.Namespace, config: dict[str, Any]) -> tuple[str | None, str | None]:
-    """The model (Hub id or folder) and revision an evaluation runs: ``--model``/``--revision``, else the adapter's."""
-    return args.model or config.get("base_model"), args.revision or config.get("base_model_revision")
+def _base_model(config: dict[str, Any], model: str | None = None,
+                revision: str | None = None) -> tuple[str | None, str | None]:
+    """The model (Hub id or folder) and revision an evaluation runs: ``model``/``revision`` (``--model``,
+    ``--revision``), else those of the adapter ``config``."""
+    return model or config.get("base_model"), revision or config.get("base_model_revision")
 
 
 def _resumed(args: argparse.Namespace, config: dict[str, Any]) -> list:
@@ -521,6 +524,7 @@ def _resumed(args: argparse.Namespace, config: dict[str, Any]) -> list:
     from focus_flex.passkey import PasskeyResult
 
     mine = {k: v for k, v in config.items() if k != "extra"}
+    here = _base_model(config, args.model, args.revision)
     earlier = []
     for path in args.resume:
         try:
@@ -544,9 +548,8 @@ def _resumed(args: argparse.Namespace, config: dict[str, Any]) -> list:
             raise CliError(f"--resume {path!r} was run in {dtype}, this run in {args.dtype}: resume it with "
                            f"--dtype {dtype}")
         # runs before the model was recorded ran the adapter's base model (unless told otherwise, unknowable)
-        run_on = (data.get("model"), data.get("revision")) if "model" in data else _base_model(
-            argparse.Namespace(model=None, revision=None), data["focus_config"])
-        if run_on != (here := _base_model(args, config)):
+        run_on = (data["model"], data.get("revision")) if "model" in data else _base_model(data["focus_config"])
+        if run_on != here:
             raise CliError(f"--resume {path!r} was run on the model {run_on[0]!r} (revision {run_on[1]!r}), this run "
                            f"on {here[0]!r} (revision {here[1]!r}): resume runs of the same --model and --revision")
         earlier += rows
