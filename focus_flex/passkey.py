@@ -503,6 +503,26 @@ def _tally(results: list[PasskeyResult]) -> str:
     return f"{sum(r.correct for r in results)}/{len(results)}"
 
 
+def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a success rate (95% for ``z`` 1.96): the rates ``p`` whose distance from the
+    observed share is at most ``z`` standard errors ``sqrt(p (1 - p) / trials)``."""
+    if trials <= 0:
+        raise ValueError(f"wilson_interval needs at least one trial, got {trials}")
+    share, z2 = successes / trials, z * z / trials
+    center = (share + z2 / 2) / (1 + z2)
+    half = z * math.sqrt(share * (1 - share) / trials + z2 / (4 * trials)) / (1 + z2)
+    return max(0.0, center - half), min(1.0, center + half)
+
+
+def _share(results: list[PasskeyResult]) -> str:
+    """correct/total with the share and its Wilson 95% interval ("7/11: 64% [35-85%]"); "0/0" for none."""
+    if not results:
+        return "0/0"
+    correct = sum(r.correct for r in results)
+    low, high = wilson_interval(correct, len(results))
+    return f"{correct}/{len(results)}: {100 * correct / len(results):.0f}% [{100 * low:.0f}-{100 * high:.0f}%]"
+
+
 def _mean_logprob(results: list[PasskeyResult]) -> str:
     """Mean key log-probability of ``results``: "all tokens (first token; the rest)"."""
     rows = [r for r in results if r.key_logprob is not None and r.first_logprob is not None]
@@ -585,13 +605,14 @@ def passkey_markdown(results: list[PasskeyResult], protocol: str = "") -> str:
                                                     for d in depths) + " |")
         others = [m for m in modes if m != "full"]
         if "full" in modes and others:
-            lines += ["", "Of the keys full attention retrieves, retrieved by each mode:", "",
+            lines += ["", "Of the keys full attention retrieves, retrieved by each mode (the share with its Wilson "
+                      "95% interval: what the sample says of the share on more keys like these):", "",
                       "| mode | " + " | ".join(f"{n} tokens" for n in lengths) + " | all |",
                       "|---" * (len(lengths) + 2) + "|"]
             for mode in others:
                 kept = retained(rows, mode)
-                lines.append(f"| {mode} | " + " | ".join(_tally([r for r in kept if r.length == n]) for n in lengths)
-                             + f" | {_tally(kept)} |")
+                lines.append(f"| {mode} | " + " | ".join(_share([r for r in kept if r.length == n]) for n in lengths)
+                             + f" | {_share(kept)} |")
             measured = ("the key's log-probability, mode's minus full attention's (nats, mean ± standard error over "
                         "the prompts; near ties show here before they flip a key), and "
                         if any(r.key_logprob is not None for r in rows) else "")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -373,8 +374,21 @@ def test_retention_counts_only_the_keys_full_attention_retrieves():
                row("focus", 10, True), row("focus", 50, True), row("focus", 90, False)]
     assert [r.depth for r in P.retained(results, "focus")] == [10, 90]
     table = P.passkey_markdown(results)
-    assert "| focus | 1/2 | 1/2 |" in table and "| focus | 2/3 | 2/3 |" in table
+    assert "| focus | 1/2: 50% [9-91%] | 1/2: 50% [9-91%] |" in table and "| focus | 2/3 | 2/3 |" in table
     assert "log-probability" not in table  # no result has one: no table of them
+
+
+@pytest.mark.parametrize(("successes", "trials"), [(29, 35), (7, 11), (0, 8), (12, 12), (1, 2)])
+def test_wilson_interval_holds_the_rates_within_z_standard_errors_of_the_share(successes, trials):
+    low, high = P.wilson_interval(successes, trials)
+    share = successes / trials
+    assert 0 <= low <= share <= high <= 1
+    for rate in (low, high):  # each bound solves |share - p| = z sqrt(p (1 - p) / n), unless it is 0 or 1
+        if 0 < rate < 1:
+            assert abs(abs(share - rate) - 1.96 * math.sqrt(rate * (1 - rate) / trials)) < 1e-12
+    assert (low == 0) == (successes == 0) and (high == 1) == (successes == trials)
+    with pytest.raises(ValueError, match="at least one trial"):
+        P.wilson_interval(0, 0)
 
 
 def test_markdown_compares_each_mode_with_full_attention_prompt_by_prompt():
