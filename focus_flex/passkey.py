@@ -572,7 +572,8 @@ def _sections(results: list[PasskeyResult]) -> list[tuple[str, str]]:
 def passkey_markdown(results: list[PasskeyResult], protocol: str = "") -> str:
     """Markdown tables for each haystack and phrasing: correct/total per mode and length, the key's mean
     log-probability, then correct/total per depth; with full attention's results, each other mode's share of the
-    keys full attention retrieves and its comparison with full attention prompt by prompt (:func:`paired`)."""
+    keys full attention retrieves (with its :func:`wilson_interval`) and its comparison with full attention prompt by
+    prompt (:func:`paired`)."""
     modes = list(dict.fromkeys(r.mode for r in results))
     lines = []
     for haystack, phrasing in _sections(results):
