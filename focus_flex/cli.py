@@ -454,8 +454,10 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
         reused = {id(r) for r in earlier}
         taken = sum(id(r) in reused for r in results)
         print(f"--resume: {taken} of {len(results)} results taken from {' '.join(args.resume)}, the rest run")
-    meta = {"command": command, "adapter": args.adapter, "focus_config": adapter.config.to_dict(),
-            "cpu": _cpu_name(), "dtype": args.dtype, "model": name, "revision": revision}
+    # the configuration evaluated, without the retrieval table of the card it was read from (not this run's)
+    evaluated = {**config, "extra": {k: v for k, v in config["extra"].items() if k != "passkey_markdown"}}
+    meta = {"command": command, "adapter": args.adapter, "focus_config": evaluated, "cpu": _cpu_name(),
+            "dtype": args.dtype, "model": name, "revision": revision}
     protocol = passkey_protocol(args.dtype, adapter.config.dense_decode, adapter.config.dense_tail,
                                 adapter.config.dense_heads, args.phrasings, adapter.config.layer_top_k)
     paths = save_passkey(out, results, meta, protocol)

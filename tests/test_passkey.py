@@ -204,6 +204,7 @@ def test_eval_task_passkey_writes_table_json_and_heatmaps(tmp_path, capsys):
     for mode in P.PASSKEY_MODES:
         assert (out / f"passkey_{mode}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert data["focus_config"]["num_groups"] == FocusAdapter.from_pretrained(ADAPTER).config.num_groups
+    assert "passkey_markdown" not in data["focus_config"]["extra"]  # the card's earlier table is not this run's
     # the evaluated copy of the adapter: its card holds the retrieval table and heatmaps next to the perplexity table
     copy = FocusAdapter.from_pretrained(str(out))
     assert torch.equal(copy.centroids, FocusAdapter.from_pretrained(ADAPTER).centroids)
