@@ -720,3 +720,34 @@ def test_lower_layers_attribution_is_the_first_order_change_of_the_keys_logprob(
         assert change.shape == weight.shape == (n,) and abs(numeric) > 1e-3, (layer, numeric)
         assert abs(change.sum().item() - numeric) < 0.05 * abs(numeric) + 2e-3, (layer, change.sum().item(), numeric)
     assert abs(base - target_logprob(2, torch.zeros(1))) < 1e-3
+
+
+def test_position_window_is_the_dense_pattern_with_a_window_per_position():
+    import torch
+
+    from benchmarks import position_window as pw
+    from focus_flex import evaluate, routing
+    from focus_flex.attention import focus_pattern
+    from focus_flex.config import FocusConfig
+
+    torch.manual_seed(0)
+    n, config = 700, FocusConfig(num_groups=8, key_top_k=2, window=256, sink_tokens=4, dense_tail=32)
+    q, k, v = torch.randn(1, 6, n, 32), torch.randn(1, 2, n, 32), torch.randn(1, 2, n, 32)
+    centroids = torch.randn(2, 8, 32)
+    windows = pw.position_windows(n, 256, 64, 4, 32)
+    assert windows[0] == 64 and windows[400] == 96 and windows[-1] == 160  # grows with the chunk's start
+    out = pw.chunked_attention(q, k, v, centroids, config, 64, 4)
+    # independent reference: the dense pattern with the groups, the sinks and a window per query position
+    groups = focus_pattern(q, k, centroids, FocusConfig(num_groups=8, key_top_k=2, window=1, sink_tokens=4))
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    mask = groups | ((j <= i) & ((i - j < windows[:, None]) | (i >= n - 32)))
+    scores = (q @ k.repeat_interleave(3, 1).transpose(-1, -2)) * 32 ** -0.5
+    ref = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v.repeat_interleave(3, 1)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    qm = routing.hard_membership(q, centroids, 1)[0]
+    km = routing.hard_membership(k, centroids, 2)[0]
+    density = pw.pattern_density(qm, km, windows, 4, 32, [])
+    assert density == pytest.approx(float(mask.sum()) / (6 * n * (n + 1) / 2))
+    fixed = pw.pattern_density(qm, km, torch.full((n,), 256), 4, 32, [1])  # KV head 1 dense: its 3 query heads
+    library = evaluate.pattern_density(qm[None], km[None], 256, 4, 32)[0]
+    assert fixed == pytest.approx((library[:3].sum().item() + 3) / 6)
