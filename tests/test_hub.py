@@ -669,7 +669,7 @@ def test_focus_adapter_for_another_base_model(hub_server, tmp_path):
 
 @pytest.mark.parametrize("name,flags,center,sinks,tail,wide,evaluated", [
     ("smollm2-135m-instruct-focus", ("--dense-tail 64", "--dense-decode", "--init-from", "--balance-weight 0.03"),
-     list(range(15, 30)), 4, 64, [[0, 32, 4], [2, 32, 4], [6, 32, 4]],
+     list(range(15, 30)), 4, 64, [[0, 32, 3], [2, 32, 3], [6, 32, 3]],
      {"full", "focus", "soft", "window", "random"}),
     ("smollm2-135m-instruct-focus-retrieval", ("--center", "--sinks 64"), True, 64, 0, [],
      {"full", "focus", "window", "random"})])
@@ -685,7 +685,7 @@ def test_published_adapters_are_ready_to_push_repos(name, flags, center, sinks, 
     d = DEFAULT_FOCUS  # made by `focus-flex retrofit` with its defaults, but for the flags
     assert (config.num_groups, config.query_top_k, config.key_top_k) == (d.num_groups, d.query_top_k, d.key_top_k)
     assert config.center == center and config.sink_tokens == sinks and config.dense_tail == tail
-    assert config.layer_top_k == wide  # the default's layers 0, 2 and 6 route queries into 32 groups (passkey.md)
+    assert config.layer_top_k == wide  # the default's layers 0, 2 and 6: queries in 32 groups, keys in 3 (passkey.md)
     assert all(flag in config.extra["trained_with"] for flag in flags)
     # calibrated means of the centered layers, saved with the centroids (zeros for the others)
     assert table["key_means"]["shape"] == [30, 3, 64]

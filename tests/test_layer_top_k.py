@@ -127,9 +127,10 @@ def test_config_field_round_trips_and_is_checked(tmp_path):
 
 @torch.no_grad()
 def test_published_adapter_with_wide_lower_layers_on_the_fast_path_equals_its_reference(smollm2):
-    """The embedded SmolLM2 with the published adapter, layers 0, 2 and 6 at 32 groups per query (docs/passkey.md,
-    point 53; one pass, ``FocusConfig.one_pass``): on real text every layer's fast-path output (C kernels, dense tail)
-    equals the reference attention of the same inputs, and the listing changes the logits. (Per layer: with 32 of 63
+    """The embedded SmolLM2 with the published adapter, layers 0, 2 and 6 at 32 groups per query and keys in 3
+    (docs/passkey.md, points 53 and 59; one pass, ``FocusConfig.one_pass``): on real text every layer's fast-path
+    output (C kernels, dense tail) equals the reference attention of the same inputs, and the listing changes the
+    logits. (Per layer: with 32 of 63
     groups per query, the last bits of a layer's input can move a query's 32nd group, so two exact paths through the
     whole model need not agree.)"""
     from test_passkey import ADAPTER
@@ -138,7 +139,7 @@ def test_published_adapter_with_wide_lower_layers_on_the_fast_path_equals_its_re
 
     model, tokenizer = smollm2
     adapter = FocusAdapter.from_pretrained(ADAPTER)
-    assert adapter.config.layer_top_k == [[0, 32, 4], [2, 32, 4], [6, 32, 4]] and adapter.config.at(0).one_pass
+    assert adapter.config.layer_top_k == [[0, 32, 3], [2, 32, 3], [6, 32, 3]] and adapter.config.at(0).one_pass
     ids = tokenizer(load_documents(split="eval")[0][:6000], return_tensors="pt").input_ids[:, :900]
     seen = {}
     hook = adapter.register_forward_hook(lambda a, args, out: seen.update({args[1]: (args[2:7], out)}))
