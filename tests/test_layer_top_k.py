@@ -130,9 +130,8 @@ def test_published_adapter_with_wide_lower_layers_on_the_fast_path_equals_its_re
     """The embedded SmolLM2 with the published adapter, layers 0, 2 and 6 at 32 groups per query and keys in 3
     (docs/passkey.md, points 53 and 59; one pass, ``FocusConfig.one_pass``): on real text every layer's fast-path
     output (C kernels, dense tail) equals the reference attention of the same inputs, and the listing changes the
-    logits. (Per layer: with 32 of 63
-    groups per query, the last bits of a layer's input can move a query's 32nd group, so two exact paths through the
-    whole model need not agree.)"""
+    logits. (Per layer: with 32 of 63 groups per query, the last bits of a layer's input can move a query's 32nd
+    group, so two exact paths through the whole model need not agree.)"""
     from test_passkey import ADAPTER
 
     from focus_flex.data import load_documents
