@@ -9,12 +9,16 @@ probability mass on pairs the adapter's hard pattern computes (``kept``), the re
 output with the row renormalised to those pairs (``error``: :func:`focus_flex.train.output_error`), and the mass
 full attention puts beyond the window and sinks (``far``).
 Several ``--adapters`` are compared side by side on the same forward; with ``--per-head``, the KV heads of the
-first adapter with the largest output error are listed last.
+first adapter with the largest output error are listed last. With ``--windows W ...`` each layer is also scored with
+its window set to each W, the other layers' unchanged (the inputs are full attention's, so a layer's row does not
+depend on the others'): what a narrower window costs each layer (docs/passkey.md, point 62). ``--texts N`` averages
+over N windows of the training books.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -27,17 +31,20 @@ from focus_flex.train import QKV, _attention_rows, centerings, hard_fidelity, te
 
 
 @torch.no_grad()
-def layer_fidelity(model: torch.nn.Module, adapter: FocusAdapter, qkv: QKV,
-                   query_idx: torch.Tensor) -> dict[int, torch.Tensor]:
+def layer_fidelity(model: torch.nn.Module, adapter: FocusAdapter, qkv: QKV, query_idx: torch.Tensor,
+                   window: int | None = None) -> dict[int, torch.Tensor]:
     """``{layer: [3, Hq]}``: (kept, error, far) per query head of ``adapter``'s hard pattern on the captured ``qkv``
-    of one forward of ``model`` (:func:`focus_flex.train.teacher_qkv`) at the query positions ``query_idx [Q]``."""
+    of one forward of ``model`` (:func:`focus_flex.train.teacher_qkv`) at the query positions ``query_idx [Q]``;
+    with ``window``, every layer's pattern with that window instead of its own."""
     centering = centerings(adapter, model)
     out = {}
     for layer, slot in adapter.slot.items():
         q, k, v, scale = qkv[layer]
-        kept, error = hard_fidelity(q, k, v, adapter.centroids.detach()[slot], adapter.config.at(layer), query_idx,
-                                    scale, centering.get(slot))
-        p, near, future = _attention_rows(q, k, adapter.config, query_idx, scale)
+        cfg = adapter.config.at(layer)
+        cfg = cfg if window is None else dataclasses.replace(cfg, window=window)
+        kept, error = hard_fidelity(q, k, v, adapter.centroids.detach()[slot], cfg, query_idx, scale,
+                                    centering.get(slot))
+        p, near, future = _attention_rows(q, k, cfg, query_idx, scale)
         far = (p * ~(near | future)).sum(-1).mean(-1)
         out[layer] = torch.stack([kept[0], error[0], far[0]])
     return out
@@ -66,32 +73,42 @@ def main() -> None:
     parser.add_argument("--per-head", action="store_true", help="one row per (layer, KV head)")
     parser.add_argument("--queries", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--windows", type=int, nargs="*", default=[],
+                        help="also score every layer with its window set to each of these")
+    parser.add_argument("--texts", type=int, default=1, help="windows of the text averaged over (train, repetitive)")
     args = parser.parse_args()
     print(" | ".join(f"{k}: {v}" for k, v in machine_info().items()))
     model, tokenizer = load_model()
     model.eval()
     if args.haystack == "train":
-        ids = token_windows(load_documents(split="train"), tokenizer, args.length, max_windows=1)
+        ids = token_windows(load_documents(split="train"), tokenizer, args.length, max_windows=args.texts)
     elif args.haystack == "repetitive":
-        docs = repetitive_documents(load_documents(split="train"), 1, tokenizer, args.length, args.seed)
-        ids = token_windows(docs, tokenizer, args.length, max_windows=1)
+        docs = repetitive_documents(load_documents(split="train"), args.texts, tokenizer, args.length, args.seed)
+        ids = token_windows(docs, tokenizer, args.length, max_windows=args.texts)
     else:
         ids = build_prompt(tokenizer, args.length, args.depth, "49396", args.haystack).input_ids[None]
     gen = torch.Generator().manual_seed(args.seed)
     idx = torch.randint(args.length // 2, args.length, (args.queries,), generator=gen).sort().values
-    qkv = teacher_qkv(model, ids)
-    rows = {a: layer_fidelity(model, FocusAdapter.from_pretrained(a), qkv, idx) for a in args.adapters}
+    adapters = {a: FocusAdapter.from_pretrained(a) for a in args.adapters}
+    columns = [(a, w) for a in args.adapters for w in [None, *args.windows]]
+    names = [a if w is None else f"{a}, window {w}" for a, w in columns]
+    rows: dict[str, dict[int, torch.Tensor]] = {n: {} for n in names}
+    for text in ids:  # each layer's rows averaged over the texts
+        qkv = teacher_qkv(model, text[None])
+        for name, (a, w) in zip(names, columns, strict=True):
+            for layer, row in layer_fidelity(model, adapters[a], qkv, idx, w).items():
+                rows[name][layer] = rows[name].get(layer, 0) + row / len(ids)
     hkv = model.config.num_key_value_heads
     needle = "" if args.haystack in ("train", "repetitive") else f", needle at {args.depth}%"
-    print(f"\n{args.haystack}, {args.length} tokens{needle}, {args.queries} queries: kept / error / far per adapter\n")
-    print(f"| {'layer.KV head' if args.per_head else 'layer'} | " + " | ".join(args.adapters) + " |")
-    print("|---|" + "---|" * len(args.adapters))
+    print(f"\n{args.haystack}, {len(ids)} x {args.length} tokens{needle}, {args.queries} queries: kept / error / far\n")
+    print(f"| {'layer.KV head' if args.per_head else 'layer'} | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
     for layer in sorted(set().union(*(r.keys() for r in rows.values()))):
         for h in range(hkv) if args.per_head else [None]:
             name = layer if h is None else f"{layer}.{h}"
-            print(f"| {name} | " + " | ".join(_cell(rows[a].get(layer), h, hkv) for a in args.adapters) + " |")
+            print(f"| {name} | " + " | ".join(_cell(rows[n].get(layer), h, hkv) for n in names) + " |")
     if args.per_head:
-        first = rows[args.adapters[0]]
+        first = rows[names[0]]
         error = {f"{layer}.{h}": e for layer, r in first.items() for h, e in enumerate(per_kv_head(r, hkv)[1].tolist())}
         worst = sorted(error, key=error.get, reverse=True)[:12]
         print(f"\nKV heads of {args.adapters[0]} by output error, largest first: "

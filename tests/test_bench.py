@@ -406,7 +406,7 @@ def test_union_study_adds_the_other_adapters_pattern_in_the_chosen_layers():
 def test_layer_fidelity_is_the_full_attention_mass_on_the_reference_pattern():
     """``layer_fidelity``: ``kept`` is the share of each query's full attention probability on the pairs of the
     reference pattern (``focus_pattern``), averaged over the queries of each head; a window over the whole text keeps
-    all of it, with no output error and no far mass."""
+    all of it, with no output error and no far mass; ``window`` scores the adapter's pattern with that window."""
     import torch
     from test_adapter import ids, tiny
 
@@ -434,6 +434,12 @@ def test_layer_fidelity_is_the_full_attention_mass_on_the_reference_pattern():
     wide = FocusAdapter.for_model(model, FocusConfig(num_groups=4, window=64, sink_tokens=2), seed=3)
     for kept, error, far in layer_fidelity(model, wide, qkv, idx).values():
         assert (kept - 1).abs().max() <= 1e-6 and error.max() <= 1e-10 and far.max() == 0
+    for kept, error, far in layer_fidelity(model, adapter, qkv, idx, window=64).values():  # the window given
+        assert (kept - 1).abs().max() <= 1e-6 and error.max() <= 1e-10 and far.max() == 0
+    narrow = FocusAdapter.for_model(model, FocusConfig(num_groups=4, window=8, sink_tokens=2), seed=3)
+    as_narrow = layer_fidelity(model, wide, qkv, idx, window=8)  # the wide adapter's centroids, narrow's window
+    for layer, row in layer_fidelity(model, narrow, qkv, idx).items():
+        assert torch.equal(as_narrow[layer], row) and row[2].min() > 0
 
 
 def test_output_kl_retrieval_prompt_hides_the_code_and_scores_its_tokens():
