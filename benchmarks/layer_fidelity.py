@@ -77,6 +77,8 @@ def main() -> None:
                         help="also score every layer with its window set to each of these")
     parser.add_argument("--texts", type=int, default=1, help="windows of the text averaged over (train, repetitive)")
     args = parser.parse_args()
+    if args.texts != 1 and args.haystack not in ("train", "repetitive"):
+        parser.error(f"--texts {args.texts}: a passkey haystack is one prompt; use --haystack train or repetitive")
     print(" | ".join(f"{k}: {v}" for k, v in machine_info().items()))
     model, tokenizer = load_model()
     model.eval()
