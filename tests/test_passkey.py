@@ -17,6 +17,9 @@ from focus_flex.cli import main
 from focus_flex.evaluate import matching_window, window_density, window_only
 
 ADAPTER = str(Path(__file__).resolve().parents[1] / "hub" / "smollm2-135m-instruct-focus")
+# A passkey.json written before phrasings and the key's log-probability existed (the retrieval adapter's card of
+# 2026-11-25, cut to its 1K, 10%-depth, first-key prompts): older runs must still load and resume.
+OLDER_RUN = Path(__file__).resolve().parent / "data" / "passkey_before_phrasings.json"
 
 
 def test_score_takes_the_first_number_exactly():
@@ -318,7 +321,7 @@ def test_window_only_is_matched_to_focus_on_the_prompts_of_its_own_phrasing(smol
 @pytest.mark.slow
 def test_eval_task_passkey_reuses_an_older_run_for_its_phrasing_only(tmp_path, capsys):
     """Results written before phrasings existed are the passkey's: asking for RULER's too names what the file holds."""
-    older = Path(ADAPTER).parents[0] / "smollm2-135m-instruct-focus-retrieval" / P.PASSKEY_JSON
+    older = OLDER_RUN
     assert main(["eval", ADAPTER, "--task", "passkey", "--lengths", "1024", "--depths", "10", "--keys-per-cell", "1",
                  "--modes", "full", "focus", "--full-results", str(older), "--output-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -426,8 +429,7 @@ def test_markdown_averages_the_key_logprob_and_older_results_load_without_one():
                                 row("focus", 2048, -6.0, -1.0)])
     assert "| full | -1.00 (-0.62; -0.38) | - | -1.00 (-0.62; -0.38) |" in table
     assert "| focus | -4.00 (-3.00; -1.00) | -6.00 (-1.00; -5.00) | -5.00 (-2.00; -3.00) |" in table
-    card = Path(ADAPTER).parents[0] / "smollm2-135m-instruct-focus-retrieval" / P.PASSKEY_JSON
-    old = P.load_passkey(card)  # written before the key's log-probability was measured
+    old = P.load_passkey(OLDER_RUN)  # written before the key's log-probability was measured
     assert old and all(r.key_logprob is None and r.phrasing == "passkey" for r in old)
 
 
