@@ -29,6 +29,8 @@ from focus_flex.models import load_model
 from focus_flex.passkey import build_prompt
 from focus_flex.train import QKV, _attention_rows, centerings, hard_fidelity, teacher_qkv
 
+TEXTS = ("train", "repetitive")  # haystacks of text without a needle: --texts of them can be averaged
+
 
 @torch.no_grad()
 def layer_fidelity(model: torch.nn.Module, adapter: FocusAdapter, qkv: QKV, query_idx: torch.Tensor,
@@ -77,7 +79,7 @@ def main() -> None:
                         help="also score every layer with its window set to each of these")
     parser.add_argument("--texts", type=int, default=1, help="windows of the text averaged over (train, repetitive)")
     args = parser.parse_args()
-    if args.texts != 1 and args.haystack not in ("train", "repetitive"):
+    if args.texts != 1 and args.haystack not in TEXTS:
         parser.error(f"--texts {args.texts}: a passkey haystack is one prompt; use --haystack train or repetitive")
     print(" | ".join(f"{k}: {v}" for k, v in machine_info().items()))
     model, tokenizer = load_model()
@@ -101,7 +103,7 @@ def main() -> None:
             for layer, row in layer_fidelity(model, adapters[a], qkv, idx, w).items():
                 rows[name][layer] = rows[name].get(layer, 0) + row / len(ids)
     hkv = model.config.num_key_value_heads
-    needle = "" if args.haystack in ("train", "repetitive") else f", needle at {args.depth}%"
+    needle = "" if args.haystack in TEXTS else f", needle at {args.depth}%"
     print(f"\n{args.haystack}, {len(ids)} x {args.length} tokens{needle}, {args.queries} queries: kept / error / far\n")
     print(f"| {'layer.KV head' if args.per_head else 'layer'} | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))

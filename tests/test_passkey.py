@@ -321,9 +321,8 @@ def test_window_only_is_matched_to_focus_on_the_prompts_of_its_own_phrasing(smol
 @pytest.mark.slow
 def test_eval_task_passkey_reuses_an_older_run_for_its_phrasing_only(tmp_path, capsys):
     """Results written before phrasings existed are the passkey's: asking for RULER's too names what the file holds."""
-    older = OLDER_RUN
     assert main(["eval", ADAPTER, "--task", "passkey", "--lengths", "1024", "--depths", "10", "--keys-per-cell", "1",
-                 "--modes", "full", "focus", "--full-results", str(older), "--output-dir", str(tmp_path)]) == 2
+                 "--modes", "full", "focus", "--full-results", str(OLDER_RUN), "--output-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "no full-attention result for 2 of the 4 prompts" in err and "(--phrasings passkey)" in err
 
