@@ -428,10 +428,27 @@ def _check_passkey_flags(args: argparse.Namespace) -> None:
 
 
 def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
-    """``eval --task passkey``: retrieval of full attention, Focus and the window at Focus's density."""
-    from focus_flex.hub import model_card
-    from focus_flex.passkey import PASSKEY_MD, check_passkey_args, passkey_eval, passkey_protocol, save_passkey
+    """``eval --task passkey``: retrieval of full attention, Focus and the window at Focus's density.
 
+    The results so far are saved after every prompt (``passkey.partial.json`` in the output folder), so that an
+    interrupted run continues with ``--resume``; the finished run replaces them with its report.
+    """
+    from focus_flex.hub import model_card
+    from focus_flex.passkey import (
+        PASSKEY_MD,
+        PASSKEY_PARTIAL,
+        check_passkey_args,
+        passkey_eval,
+        passkey_protocol,
+        save_passkey,
+        write_passkey_json,
+    )
+
+    out = _eval_output_dir(args)
+    partial = os.path.join(out, PASSKEY_PARTIAL)
+    if os.path.exists(partial) and os.path.realpath(partial) not in map(os.path.realpath, args.resume or []):
+        raise CliError(f"{out!r} holds the results of an unfinished run ({partial}): continue it by passing "
+                       f"--resume {partial} (with any other files to resume from), or choose another --output-dir")
     config = adapter.config.to_dict()
     earlier = _resumed(args, config) if args.resume else []
     name, revision = _base_model(config, args.model, args.revision)
@@ -442,24 +459,36 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
                            args.phrasings)
     except ValueError as e:
         raise CliError(str(e).replace("length ", "--lengths ", 1)) from e
-    out = _eval_output_dir(args)
     command = "focus-flex " + shlex.join(args.argv)
-    results = _reused_full(args) if args.full_results else []  # in the report whatever --modes says
-    modes = [m for m in args.modes if not (results and m == "full")]
-    if modes:
-        results += passkey_eval(model, tokenizer, adapter, args.lengths, args.depths, args.keys_per_cell,
-                                args.haystacks, modes, args.phrasings, seed=args.seed, progress=not args.no_progress,
-                                earlier=earlier)
-    if earlier:
-        reused = {id(r) for r in earlier}
-        taken = sum(id(r) in reused for r in results)
-        print(f"--resume: {taken} of {len(results)} results taken from {' '.join(args.resume)}, the rest run")
     # the configuration evaluated, without the retrieval table of the card it was read from (not this run's)
     evaluated = {**config, "extra": {k: v for k, v in config["extra"].items() if k != "passkey_markdown"}}
     meta = {"command": command, "adapter": args.adapter, "focus_config": evaluated, "cpu": _cpu_name(),
             "dtype": args.dtype, "model": name, "revision": revision}
     protocol = passkey_protocol(args.dtype, adapter.config.dense_decode, adapter.config.dense_tail,
                                 adapter.config.dense_heads, args.phrasings, adapter.config.layer_top_k)
+    results = _reused_full(args) if args.full_results else []  # in the report whatever --modes says
+    modes = [m for m in args.modes if not (results and m == "full")]
+
+    def save_so_far(so_far: list) -> None:
+        # with the earlier results not reached yet: --resume may have named this very file
+        taken = {id(r) for r in so_far}
+        os.makedirs(out, exist_ok=True)
+        write_passkey_json(partial, results + so_far + [r for r in earlier if id(r) not in taken], meta, protocol)
+
+    if modes:
+        try:
+            results += passkey_eval(model, tokenizer, adapter, args.lengths, args.depths, args.keys_per_cell,
+                                    args.haystacks, modes, args.phrasings, seed=args.seed,
+                                    progress=not args.no_progress, earlier=earlier, on_result=save_so_far)
+        except KeyboardInterrupt:
+            if os.path.exists(partial):
+                print(f"interrupted: the results so far are in {partial}; continue with --resume {partial}",
+                      file=sys.stderr)
+            raise
+    if earlier:
+        reused = {id(r) for r in earlier}
+        taken = sum(id(r) in reused for r in results)
+        print(f"--resume: {taken} of {len(results)} results taken from {' '.join(args.resume)}, the rest run")
     paths = save_passkey(out, results, meta, protocol)
     # The evaluated copy of the adapter: its card shows the retrieval table and heatmaps next to its perplexity.
     extra = adapter.config.extra
@@ -473,6 +502,8 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
     with open(os.path.join(out, "README.md"), "w", encoding="utf-8") as f:
         f.write(model_card(adapter.config.to_dict(), repo_id=None, results_markdown=extra.get("results_markdown"),
                            command=_how_made(extra)))
+    if os.path.exists(partial):
+        os.remove(partial)
     print(f"results: {out}")
     return 0
 

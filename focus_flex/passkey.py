@@ -39,6 +39,7 @@ import random
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
@@ -62,6 +63,7 @@ ANSWER_PREFIX = "The pass key is"
 MAX_NEW_TOKENS = 8  # " 7 1 4 3 2 ." and a margin: the key's digits are single tokens in SmolLM2's vocabulary
 DEFAULT_LENGTHS, DEFAULT_DEPTHS = (2048, 4096), (10, 50, 90)
 PASSKEY_JSON, PASSKEY_MD = "passkey.json", "passkey.md"
+PASSKEY_PARTIAL = "passkey.partial.json"  # the results so far of a run not finished, for ``--resume``
 SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s*$")
 
 
@@ -349,13 +351,15 @@ def passkey_eval(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None,
                  haystacks: list[str] | tuple[str, ...] = HAYSTACKS,
                  modes: list[str] | tuple[str, ...] = PASSKEY_MODES,
                  phrasings: list[str] | tuple[str, ...] = tuple(PHRASINGS), *, seed: int = 0,
-                 progress: bool = True, earlier: list[PasskeyResult] | tuple[PasskeyResult, ...] = ()
-                 ) -> list[PasskeyResult]:
+                 progress: bool = True, earlier: list[PasskeyResult] | tuple[PasskeyResult, ...] = (),
+                 on_result: Callable[[list[PasskeyResult]], None] | None = None) -> list[PasskeyResult]:
     """Passkey retrieval of every (mode, haystack, phrasing, length, depth, key) (module docstring for the protocol).
 
     ``adapter`` (needed for ``focus`` and ``window``) must not be attached; it is attached for ``focus`` only.
     ``earlier``: results of a run of this same model, adapter configuration and dtype; a (mode, prompt) they hold
     with this seed's key is taken from them instead of run again (window-only is matched to reused focus results too).
+    ``on_result``: called with the results so far after each prompt run (not taken from ``earlier``), e.g. to save
+    them so that an interrupted run can be resumed.
     """
     check_passkey_args(model, lengths, depths, keys_per_cell, haystacks, modes, phrasings)
     if ("focus" in modes) and adapter is None:
@@ -383,6 +387,8 @@ def passkey_eval(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None,
                             results.append(old)
                         else:
                             _run(model, tokenizer, adapter, mode, cell, prompts[cell], results)
+                            if on_result is not None:
+                                on_result(results)
                         bar.update()
     finally:
         bar.close()
@@ -667,15 +673,22 @@ def save_passkey(directory: str, results: list[PasskeyResult], meta: dict[str, A
     """Write ``passkey.json``, ``passkey.md`` and one ``passkey_{mode}.png`` per mode; returns their paths."""
     os.makedirs(directory, exist_ok=True)
     paths = {PASSKEY_JSON: os.path.join(directory, PASSKEY_JSON), PASSKEY_MD: os.path.join(directory, PASSKEY_MD)}
-    with open(paths[PASSKEY_JSON], "w") as f:
-        json.dump({**meta, "protocol": protocol, "results": [asdict(r) for r in results]}, f, indent=2)
-        f.write("\n")
+    write_passkey_json(paths[PASSKEY_JSON], results, meta, protocol)
     with open(paths[PASSKEY_MD], "w") as f:
         f.write(passkey_markdown(results, protocol))
     for mode in dict.fromkeys(r.mode for r in results):
         name = f"passkey_{mode}.png"
         paths[name] = plot_passkey(results, mode, os.path.join(directory, name))
     return paths
+
+
+def write_passkey_json(path: str, results: list[PasskeyResult], meta: dict[str, Any], protocol: str) -> None:
+    """Write ``results`` with ``meta`` and ``protocol`` as a ``passkey.json`` at ``path``, atomically: a run killed
+    while writing leaves the previous file whole."""
+    with open(path + ".tmp", "w") as f:
+        json.dump({**meta, "protocol": protocol, "results": [asdict(r) for r in results]}, f, indent=2)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
 
 
 def passkey_protocol(dtype: str, dense_decode: bool = False, dense_tail: int = 0,

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -293,6 +297,34 @@ def test_eval_task_passkey_resumes_runs_of_the_same_configuration_only(tmp_path,
                  str(first / P.PASSKEY_JSON), "--output-dir", str(tmp_path / "other")]) == 2
     assert "was run on the model 'HuggingFaceTB/SmolLM2-135M-Instruct' (revision None), this run on '" in (
         capsys.readouterr().err)
+
+
+@pytest.mark.slow
+def test_eval_task_passkey_killed_midway_continues_from_its_saved_results(tmp_path, capsys):
+    """A run killed after some prompts has saved them (``passkey.partial.json``, after every prompt); a new run into
+    the same folder refuses to start over it, and with ``--resume`` takes them and runs only the rest."""
+    out = tmp_path / "pk"
+    argv = ["eval", ADAPTER, "--task", "passkey", "--lengths", "384", "--depths", "30", "70", "--keys-per-cell", "1",
+            "--haystacks", "prose", "--phrasings", "ruler", "--output-dir", str(out), "--no-progress"]
+    partial = out / P.PASSKEY_PARTIAL
+    run = subprocess.Popen([sys.executable, "-m", "focus_flex.cli", *argv], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE)
+    try:
+        while not partial.exists() and run.poll() is None:
+            time.sleep(0.01)
+    finally:
+        run.kill()
+    assert run.wait() == -signal.SIGKILL, run.stderr.read().decode()[-2000:]
+    saved = json.loads(partial.read_text())["results"]
+    assert 1 <= len(saved) < 6 and not (out / P.PASSKEY_JSON).exists()
+    assert main(argv) == 2
+    assert f"continue it by passing --resume {partial}" in capsys.readouterr().err
+    assert main([*argv, "--resume", str(partial)]) == 0
+    assert f"--resume: {len(saved)} of 6 results taken" in capsys.readouterr().out
+    rows = json.loads((out / P.PASSKEY_JSON).read_text())["results"]
+    assert rows[:len(saved)] == saved and {(r["mode"], r["depth"]) for r in rows} == {
+        (m, d) for m in P.PASSKEY_MODES for d in (30, 70)}
+    assert not partial.exists()  # the finished run's report replaces the results so far
 
 
 def test_window_only_is_matched_to_focus_on_the_prompts_of_its_own_phrasing(smollm2):
