@@ -96,17 +96,15 @@ def position_window(min_window: int, divisor: int) -> Iterator[None]:
 
     @torch.no_grad()
     def meter(self: RoutingMeter, adapter: Any, args: tuple, output: Any) -> None:
-        _, slot, query, key, _, padding = args[:6]
-        if query.shape[0] != 1 or (padding is not None and not bool(padding.all())):
+        padding = args[5]
+        if args[2].shape[0] != 1 or (padding is not None and not bool(padding.all())):
             raise ValueError("benchmarks.position_window counts the density of unpadded batch-1 prefills only")
-        c, cfg = adapter.centroids[slot].detach(), adapter.layer_config(slot)
-        query, key = adapter.routed(slot, query, key, padding)
-        qm = routing.hard_membership(query, c, cfg.query_top_k)[0].cpu()
-        km = routing.hard_membership(key, c, cfg.key_top_k)[0].cpu()
-        n = query.shape[2]
+        cfg, qm, km = self.memberships(adapter, args)
+        qm, km = qm[0].cpu(), km[0].cpu()
+        n = qm.shape[1]
         windows = position_windows(n, cfg.window, min_window, divisor, cfg.dense_tail)
         self.density.append(pattern_density(qm, km, windows, cfg.sink_tokens, cfg.tail(n),
-                                            cfg.dense_kv_heads(cfg.layers[slot])))
+                                            cfg.dense_kv_heads(cfg.layers[args[1]])))
         self.far.append(torch.zeros(n))  # not counted by distance: the random-groups baseline is not supported
         self.balance.append(routing.group_balance(km[None], cfg.num_groups).mean().item())
 

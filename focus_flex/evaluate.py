@@ -219,19 +219,24 @@ class RoutingMeter:
         self.far: list[torch.Tensor] = []  # per call: far pairs by distance [N - tail] (the tail attends densely)
         self.handle = adapter.register_forward_hook(self)
 
-    @torch.no_grad()
-    def __call__(self, adapter: FocusAdapter, args: tuple, output: Any) -> None:
+    @staticmethod
+    def memberships(adapter: FocusAdapter, args: tuple) -> tuple[FocusConfig, torch.Tensor, torch.Tensor]:
+        """The configuration of the Focus layer called with ``args`` and its hard memberships (group bitmasks):
+        queries ``[B, Hq, N]``, keys ``[B, Hkv, N]``."""
         _, slot, query, key, _, padding = args[:6]
         c, cfg = adapter.centroids[slot].detach(), adapter.layer_config(slot)
         query, key = adapter.routed(slot, query, key, padding)
-        qm = routing.hard_membership(query, c, cfg.query_top_k)
-        km = routing.hard_membership(key, c, cfg.key_top_k)
-        n = query.shape[2]
+        return cfg, routing.hard_membership(query, c, cfg.query_top_k), routing.hard_membership(key, c, cfg.key_top_k)
+
+    @torch.no_grad()
+    def __call__(self, adapter: FocusAdapter, args: tuple, output: Any) -> None:
+        cfg, qm, km = self.memberships(adapter, args)
+        n = qm.shape[2]
         t = cfg.tail(n)
         far = far_pairs_by_distance(qm[..., :n - t], km[..., :n - t], cfg.sink_tokens)
         density = far_density(far, n, cfg.window, cfg.sink_tokens, t)  # [B, Hq]
-        group = query.shape[1] // key.shape[1]
-        for h in cfg.dense_kv_heads(cfg.layers[slot]):  # dense heads compute every causal pair
+        group = qm.shape[1] // km.shape[1]
+        for h in cfg.dense_kv_heads(cfg.layers[args[1]]):  # dense heads compute every causal pair
             density[:, h * group:(h + 1) * group] = 1.0
         self.density.append(density.mean().item())
         self.far.append(far.mean((0, 1)))  # averaged over batch and heads
