@@ -470,10 +470,11 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
     modes = [m for m in args.modes if not (results and m == "full")]
 
     def save_so_far(so_far: list) -> None:
-        # with the earlier results not reached yet: --resume may have named this very file
+        # with the earlier results not taken (yet): --resume may have named this very file; without --full-results's
+        # rows, which the same command reads again
         taken = {id(r) for r in so_far}
         os.makedirs(out, exist_ok=True)
-        write_passkey_json(partial, results + so_far + [r for r in earlier if id(r) not in taken], meta, protocol)
+        write_passkey_json(partial, so_far + [r for r in earlier if id(r) not in taken], meta, protocol)
 
     if modes:
         try:

@@ -301,11 +301,13 @@ def test_eval_task_passkey_resumes_runs_of_the_same_configuration_only(tmp_path,
 
 @pytest.mark.slow
 def test_eval_task_passkey_killed_midway_continues_from_its_saved_results(tmp_path, capsys):
-    """A run killed after some prompts has saved them (``passkey.partial.json``, after every prompt); a new run into
-    the same folder refuses to start over it, and with ``--resume`` takes them and runs only the rest."""
+    """A run killed after some prompts has saved them (``passkey.partial.json``, after every prompt; not the rows of
+    ``--full-results``, which the same command reads again); a new run into the same folder refuses to start over
+    it, and with ``--resume`` takes them and runs only the rest."""
     out = tmp_path / "pk"
-    argv = ["eval", ADAPTER, "--task", "passkey", "--lengths", "384", "--depths", "30", "70", "--keys-per-cell", "1",
-            "--haystacks", "prose", "--phrasings", "ruler", "--output-dir", str(out), "--no-progress"]
+    argv = ["eval", ADAPTER, "--task", "passkey", "--lengths", "1024", "--depths", "30", "70", "--keys-per-cell", "1",
+            "--haystacks", "prose", "--phrasings", "ruler", "--modes", "focus", "window", "--full-results",
+            str(Path(ADAPTER) / P.PASSKEY_JSON), "--output-dir", str(out), "--no-progress"]
     partial = out / P.PASSKEY_PARTIAL
     run = subprocess.Popen([sys.executable, "-m", "focus_flex.cli", *argv], stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE)
@@ -316,14 +318,15 @@ def test_eval_task_passkey_killed_midway_continues_from_its_saved_results(tmp_pa
         run.kill()
     assert run.wait() == -signal.SIGKILL, run.stderr.read().decode()[-2000:]
     saved = json.loads(partial.read_text())["results"]
-    assert 1 <= len(saved) < 6 and not (out / P.PASSKEY_JSON).exists()
+    assert 1 <= len(saved) < 4 and {r["mode"] for r in saved} == {"focus"}
+    assert not (out / P.PASSKEY_JSON).exists()
     assert main(argv) == 2
     assert f"continue it by passing --resume {partial}" in capsys.readouterr().err
     assert main([*argv, "--resume", str(partial)]) == 0
     assert f"--resume: {len(saved)} of 6 results taken" in capsys.readouterr().out
     rows = json.loads((out / P.PASSKEY_JSON).read_text())["results"]
-    assert rows[:len(saved)] == saved and {(r["mode"], r["depth"]) for r in rows} == {
-        (m, d) for m in P.PASSKEY_MODES for d in (30, 70)}
+    assert [r["mode"] for r in rows] == ["full"] * 2 + ["focus"] * 2 + ["window"] * 2
+    assert rows[2:2 + len(saved)] == saved and {r["depth"] for r in rows} == {30, 70}
     assert not partial.exists()  # the finished run's report replaces the results so far
 
 
