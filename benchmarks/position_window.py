@@ -96,15 +96,15 @@ def position_window(min_window: int, divisor: int) -> Iterator[None]:
 
     @torch.no_grad()
     def meter(self: RoutingMeter, adapter: Any, args: tuple, output: Any) -> None:
-        padding = args[5]
-        if args[2].shape[0] != 1 or (padding is not None and not bool(padding.all())):
+        _, slot, query, _, _, padding = args[:6]
+        if query.shape[0] != 1 or (padding is not None and not bool(padding.all())):
             raise ValueError("benchmarks.position_window counts the density of unpadded batch-1 prefills only")
         cfg, qm, km = self.memberships(adapter, args)
         qm, km = qm[0].cpu(), km[0].cpu()
         n = qm.shape[1]
         windows = position_windows(n, cfg.window, min_window, divisor, cfg.dense_tail)
         self.density.append(pattern_density(qm, km, windows, cfg.sink_tokens, cfg.tail(n),
-                                            cfg.dense_kv_heads(cfg.layers[args[1]])))
+                                            cfg.dense_kv_heads(cfg.layers[slot])))
         self.far.append(torch.zeros(n))  # not counted by distance: the random-groups baseline is not supported
         self.balance.append(routing.group_balance(km[None], cfg.num_groups).mean().item())
 

@@ -481,9 +481,9 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
             results += passkey_eval(model, tokenizer, adapter, args.lengths, args.depths, args.keys_per_cell,
                                     args.haystacks, modes, args.phrasings, seed=args.seed,
                                     progress=not args.no_progress, earlier=earlier, on_result=save_so_far)
-        except KeyboardInterrupt:
+        except BaseException:  # Ctrl-C or an error: say where what was done is kept
             if os.path.exists(partial):
-                print(f"interrupted: the results so far are in {partial}; continue with --resume {partial}",
+                print(f"stopped: the results so far are in {partial}; continue with --resume {partial}",
                       file=sys.stderr)
             raise
     if earlier:

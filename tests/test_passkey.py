@@ -300,10 +300,10 @@ def test_eval_task_passkey_resumes_runs_of_the_same_configuration_only(tmp_path,
 
 
 @pytest.mark.slow
-def test_eval_task_passkey_killed_midway_continues_from_its_saved_results(tmp_path, capsys):
-    """A run killed after some prompts has saved them (``passkey.partial.json``, after every prompt; not the rows of
-    ``--full-results``, which the same command reads again); a new run into the same folder refuses to start over
-    it, and with ``--resume`` takes them and runs only the rest."""
+def test_eval_task_passkey_stopped_midway_continues_from_its_saved_results(tmp_path, capsys):
+    """A run stopped (Ctrl-C) after some prompts has saved them (``passkey.partial.json``, after every prompt; not
+    the rows of ``--full-results``, which the same command reads again) and says where; a new run into the same
+    folder refuses to start over them, and with ``--resume`` takes them and runs only the rest."""
     out = tmp_path / "pk"
     argv = ["eval", ADAPTER, "--task", "passkey", "--lengths", "1024", "--depths", "30", "70", "--keys-per-cell", "1",
             "--haystacks", "prose", "--phrasings", "ruler", "--modes", "focus", "window", "--full-results",
@@ -314,9 +314,12 @@ def test_eval_task_passkey_killed_midway_continues_from_its_saved_results(tmp_pa
     try:
         while not partial.exists() and run.poll() is None:
             time.sleep(0.01)
+        run.send_signal(signal.SIGINT)  # Ctrl-C
+        stderr = run.communicate(timeout=60)[1].decode()
     finally:
         run.kill()
-    assert run.wait() == -signal.SIGKILL, run.stderr.read().decode()[-2000:]
+    assert run.returncode == -signal.SIGINT, stderr[-2000:]
+    assert f"stopped: the results so far are in {partial}; continue with --resume {partial}" in stderr
     saved = json.loads(partial.read_text())["results"]
     assert 1 <= len(saved) < 4 and {r["mode"] for r in saved} == {"focus"}
     assert not (out / P.PASSKEY_JSON).exists()
