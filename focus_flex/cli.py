@@ -467,6 +467,7 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
     protocol = passkey_protocol(args.dtype, adapter.config.dense_decode, adapter.config.dense_tail,
                                 adapter.config.dense_heads, args.phrasings, adapter.config.layer_top_k)
     results = _reused_full(args) if args.full_results else []  # in the report whatever --modes says
+    n_full = len(results)
     modes = [m for m in args.modes if not (results and m == "full")]
 
     def save_so_far(so_far: list) -> None:
@@ -489,7 +490,9 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
     if earlier:
         reused = {id(r) for r in earlier}
         taken = sum(id(r) in reused for r in results)
-        print(f"--resume: {taken} of {len(results)} results taken from {' '.join(args.resume)}, the rest run")
+        given = f", {n_full} from --full-results" if n_full else ""
+        print(f"--resume: {taken} of {len(results)} results taken from {' '.join(args.resume)}{given}, "
+              f"{len(results) - taken - n_full} run")
     paths = save_passkey(out, results, meta, protocol)
     # The evaluated copy of the adapter: its card shows the retrieval table and heatmaps next to its perplexity.
     extra = adapter.config.extra

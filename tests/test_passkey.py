@@ -269,7 +269,7 @@ def test_eval_task_passkey_resumes_runs_of_the_same_configuration_only(tmp_path,
     both = tmp_path / "both"
     assert main([*argv, "--depths", "30", "70", "--resume", str(first / P.PASSKEY_JSON),
                  "--output-dir", str(both)]) == 0
-    assert "--resume: 2 of 6 results taken" in capsys.readouterr().out
+    assert f"--resume: 2 of 6 results taken from {first / P.PASSKEY_JSON}, 4 run" in capsys.readouterr().out
     rows = json.loads((both / P.PASSKEY_JSON).read_text())["results"]
     assert [r for r in rows if r["depth"] == 30 and r["mode"] != "window"] == old  # taken, not run again
     assert "--resume" in json.loads((both / P.PASSKEY_JSON).read_text())["command"]
@@ -326,7 +326,8 @@ def test_eval_task_passkey_stopped_midway_continues_from_its_saved_results(tmp_p
     assert main(argv) == 2
     assert f"continue it by passing --resume {partial}" in capsys.readouterr().err
     assert main([*argv, "--resume", str(partial)]) == 0
-    assert f"--resume: {len(saved)} of 6 results taken" in capsys.readouterr().out
+    assert (f"--resume: {len(saved)} of 6 results taken from {partial}, 2 from --full-results, {4 - len(saved)} run"
+            in capsys.readouterr().out)
     rows = json.loads((out / P.PASSKEY_JSON).read_text())["results"]
     assert [r["mode"] for r in rows] == ["full"] * 2 + ["focus"] * 2 + ["window"] * 2
     assert rows[2:2 + len(saved)] == saved and {r["depth"] for r in rows} == {30, 70}
