@@ -44,9 +44,10 @@ def layer_fidelity(model: torch.nn.Module, adapter: FocusAdapter, qkv: QKV, quer
         q, k, v, scale = qkv[layer]
         cfg = adapter.config.at(layer)
         cfg = cfg if window is None else dataclasses.replace(cfg, window=window)
+        rows = _attention_rows(q, k, cfg, query_idx, scale)
         kept, error = hard_fidelity(q, k, v, adapter.centroids.detach()[slot], cfg, query_idx, scale,
-                                    centering.get(slot))
-        p, near, future = _attention_rows(q, k, cfg, query_idx, scale)
+                                    centering.get(slot), rows)
+        p, near, future = rows
         far = (p * ~(near | future)).sum(-1).mean(-1)
         out[layer] = torch.stack([kept[0], error[0], far[0]])
     return out

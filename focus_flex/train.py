@@ -398,11 +398,13 @@ def output_error(p: torch.Tensor, keep: torch.Tensor, v: torch.Tensor, full: tor
 
 @torch.no_grad()
 def hard_fidelity(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor, config: FocusConfig,
-                  query_idx: torch.Tensor, scale: float | None = None,
-                  centering: routing.Centering | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  query_idx: torch.Tensor, scale: float | None = None, centering: routing.Centering | None = None,
+                  rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """How well the hard Focus pattern reproduces full attention at ``query_idx``, per head ``[B, Hq]`` each:
-    (full-attention mass it keeps, mean over the queries; :func:`output_error` of its outputs)."""
-    p, near, future = _attention_rows(q, k, config, query_idx, scale)
+    (full-attention mass it keeps, mean over the queries; :func:`output_error` of its outputs). ``rows``: what
+    :func:`_attention_rows` gives for these arguments, when the caller has computed it."""
+    p, near, future = _attention_rows(q, k, config, query_idx, scale) if rows is None else rows
     qm = routing.hard_membership(routing_vectors(q[:, :, query_idx], centering, "query", query_idx), centroids,
                                  config.query_top_k)
     km = routing.hard_membership(routing_vectors(k, centering, "key"), centroids, config.key_top_k)
