@@ -242,8 +242,14 @@ class RoutingMeter:
         self.far.append(far.mean((0, 1)))  # averaged over batch and heads
         self.balance.append(routing.group_balance(km, cfg.num_groups).mean().item())
 
-    def close(self) -> tuple[float, float]:
+    def remove(self) -> None:
+        """Stop counting; what was counted stays. Safe in a ``finally`` that an exception reaches before any layer ran
+        (unlike :meth:`close`)."""
         self.handle.remove()
+
+    def close(self) -> tuple[float, float]:
+        """Stop counting; the mean density and key-group balance over the layer calls counted."""
+        self.remove()
         return sum(self.density) / len(self.density), sum(self.balance) / len(self.balance)
 
 
@@ -358,7 +364,7 @@ def random_window(model: nn.Module, random: FocusAdapter, windows: torch.Tensor,
     try:
         window_nll(model, windows, desc="random: matching the density", progress=progress)
     finally:
-        meter.close()
+        meter.remove()
         random.detach(model)
     far, n, cfg = torch.stack(meter.far).mean(0), windows.shape[1], random.config
     dense = len(cfg.dense_heads) / (len(cfg.layers) * cfg.num_kv_heads)  # share of heads that attend fully

@@ -414,8 +414,9 @@ def _run(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None, mode: s
         try:
             answer, logprobs = answer_key(model, tokenizer, prompt.input_ids, prompt.key)
         finally:
-            density, _ = meter.close()
+            meter.remove()
             adapter.detach(model)
+        density, _ = meter.close()
     else:
         assert adapter is not None
         cfg = adapter.config

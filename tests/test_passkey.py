@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from focus_flex import FocusAdapter
 from focus_flex import passkey as P
+from focus_flex.adapter import has_focus
 from focus_flex.cli import main
 from focus_flex.evaluate import matching_window, window_density, window_only
 
@@ -332,6 +333,20 @@ def test_eval_task_passkey_stopped_midway_continues_from_its_saved_results(tmp_p
     assert [r["mode"] for r in rows] == ["full"] * 2 + ["focus"] * 2 + ["window"] * 2
     assert rows[2:2 + len(saved)] == saved and {r["depth"] for r in rows} == {30, 70}
     assert not partial.exists()  # the finished run's report replaces the results so far
+
+
+def test_a_focus_prompt_that_fails_before_any_focus_layer_raises_its_own_error(smollm2):
+    """An error (or Ctrl-C) before the first Focus layer runs reaches the caller as itself: the density meter, which
+    then has counted nothing, does not replace it; the adapter is detached."""
+    model, tokenizer = smollm2
+    adapter = FocusAdapter.from_pretrained(ADAPTER)
+    cell = P.Prompt("prose", 384, 50, 0, "ruler")
+    prompt = cell.build(tokenizer, cell.key())
+    prompt.input_ids = prompt.input_ids.clone()
+    prompt.input_ids[-1] = model.config.vocab_size  # a token the model has no embedding for
+    with pytest.raises(IndexError):
+        P._run(model, tokenizer, adapter, "focus", cell, prompt, [])
+    assert not has_focus(model)
 
 
 def test_window_only_is_matched_to_focus_on_the_prompts_of_its_own_phrasing(smollm2):
