@@ -539,7 +539,7 @@ def main() -> None:
             finally:
                 meter.remove()
             # the adaptive layers' added pairs, as a share of every Focus layer's causal pairs
-            densities.append(meter.close()[0] + sum(adaptive["added"]) / len(adapter.config.layers))
+            densities.append(meter.means()[0] + sum(adaptive["added"]) / len(adapter.config.layers))
             correct = score(answer, r.key)
             hits += correct
             print(f"{variant:6s} {r.haystack:6s} {r.length:5d} {r.depth:3d}% key {r.key_number} {r.key}: {answer!r} "

@@ -247,10 +247,14 @@ class RoutingMeter:
         (unlike :meth:`close`)."""
         self.handle.remove()
 
-    def close(self) -> tuple[float, float]:
-        """Stop counting; the mean density and key-group balance over the layer calls counted."""
-        self.remove()
+    def means(self) -> tuple[float, float]:
+        """The mean density and key-group balance over the layer calls counted."""
         return sum(self.density) / len(self.density), sum(self.balance) / len(self.balance)
+
+    def close(self) -> tuple[float, float]:
+        """Stop counting; :meth:`means`."""
+        self.remove()
+        return self.means()
 
 
 @torch.no_grad()
@@ -317,9 +321,10 @@ def _evaluate_modes(model: nn.Module, adapter: FocusAdapter, windows: torch.Tens
             total, count = window_nll(model, windows, desc=mode, progress=progress)
         finally:
             if focus is not None:
+                meter.remove()
                 focus.detach(model)
         if meter is not None:
-            measured, balance = meter.close()
+            measured, balance = meter.means()
             density = measured if density is None else density
         results[mode] = ModeResult(mode, math.exp(total / count), total / count, count, float(density), balance,
                                    time.perf_counter() - t0, note)

@@ -416,7 +416,7 @@ def _run(model: nn.Module, tokenizer: Any, adapter: FocusAdapter | None, mode: s
         finally:
             meter.remove()
             adapter.detach(model)
-        density, _ = meter.close()
+        density, _ = meter.means()
     else:
         assert adapter is not None
         cfg = adapter.config
