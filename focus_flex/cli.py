@@ -474,10 +474,10 @@ def _eval_passkey(args: argparse.Namespace, adapter: Any) -> int:
         # with the earlier results not taken (yet): --resume may have named this very file; without --full-results's
         # rows, which the same command reads again
         taken = {id(r) for r in so_far}
-        os.makedirs(out, exist_ok=True)
         write_passkey_json(partial, so_far + [r for r in earlier if id(r) not in taken], meta, protocol)
 
     if modes:
+        os.makedirs(out, exist_ok=True)  # for the results so far
         try:
             results += passkey_eval(model, tokenizer, adapter, args.lengths, args.depths, args.keys_per_cell,
                                     args.haystacks, modes, args.phrasings, seed=args.seed,
